@@ -1,0 +1,177 @@
+"""The numerical choices of fused-softmax attention, as one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+# FP8 e4m3 (the "fn" variant, no infinities) tops out at 448 = 2**8.807. P is stored as
+# 2**(s - frozen_max + p_offset) and must stay below that even when a score overshoots the
+# frozen max by the whole threshold, so p_offset = P_LOG2_CEILING - max_threshold.
+P_LOG2_CEILING = 8.75
+
+_CHOICES = {
+    "qk_format": ("int8",),
+    "q_granularity": ("token",),
+    "k_granularity": ("block", "token"),
+    "pv_format": ("fp8_e4m3", "16bit"),
+    "max_policy": ("sampled", "online"),
+    "on_violation": ("rescale", "recompute"),
+    "rowsum": ("mma", "fma"),
+    "pv_accum": ("fp32", "hw"),
+}
+_EXP_OFFLOAD_SHARES = (0.0, 0.5, 1.0)
+_BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class FSAttnConfig:
+    """Numerical choices of :func:`fsattn_diffusers.fsattn`; the defaults are the safe, tested ones.
+
+    Attributes
+    ----------
+    qk_format : {"int8"}
+        8-bit format of Q and K for the score GEMM. INT8 runs at the FP8 tensor-core rate on
+        Hopper and is far more accurate than FP8 e4m3 for Q and K (DESIGN.md, section 2).
+    q_granularity : {"token"}
+        One scale per query token (free: it is a per-row factor of the dequantising FMA).
+    k_granularity : {"block", "token"}
+        One scale per block of ``block_n`` keys (a per-tile scalar in the kernel: the
+        dequantisation is one FMA per score) or one per key (one more multiply per score; more
+        accurate on peaky scores).
+    smooth_k : bool
+        Subtract the mean key before quantising K. Softmax is unchanged by it; the returned
+        log-sum-exp is corrected for it.
+    pv_format : {"fp8_e4m3", "16bit"}
+        Format of P and V in the PV GEMM. ``"fp8_e4m3"``: FP8 with one scale per V channel, the
+        fast path. ``"16bit"``: P and V in bf16 (fp16 for fp16 inputs), twice the PV GEMM's
+        tensor-core time, about a third of the output error.
+    smooth_v : bool or None
+        Subtract the per-channel mean of V before quantising it to FP8 and add it back at the end
+        (exact: the weights of a row sum to one). ``None``: on for FP8, off for 16-bit, where
+        rounding the centred V back to 16 bits would bias every output the same way.
+    max_policy : {"sampled", "online"}
+        ``"sampled"``: a speculative row max taken from two sampled key tiles (the first, and the
+        one level with the query tile), held frozen while no score passes it by more than
+        ``max_threshold``. ``"online"``: the classic running max, rescaling every tile.
+    on_violation : {"rescale", "recompute"}
+        What a query tile does when a score passes the frozen max by more than
+        ``max_threshold``: ``"rescale"`` raises the max of the offending rows to that tile's
+        max, rescales what was accumulated, and recomputes that tile's P (cheap, exact);
+        ``"recompute"`` finishes the pass, then redoes the whole query tile with the online
+        softmax. Either way no clamped P ever reaches the output.
+    max_threshold : float
+        How far (log2 units) a score may exceed the frozen max before that counts as a
+        violation. P is stored as ``2**(s - max + 8.75 - max_threshold)``, so a larger threshold
+        means fewer violations and a higher floor for the smallest probabilities.
+    exp_offload : {0.0, 0.5, 1.0}
+        Share of exponentials computed with integer/FMA bit arithmetic (a corrected
+        Schraudolph exp2 that writes FP8 bits directly) instead of the special-function unit.
+    rowsum : {"mma", "fma"}
+        Row sum of P on the tensor cores (a ones column beside V, summing exactly the quantised
+        P that was multiplied) or on the FMA units (sum of the unquantised P).
+    pv_accum : {"fp32", "hw"}
+        ``"fp32"`` adds each tile's PV product into an FP32 accumulator; ``"hw"`` keeps the
+        accumulation inside the tensor core's FP8 accumulator across tiles (faster on Hopper,
+        slightly less precise).
+    block_m, block_n : int or None
+        Tile sizes (query rows per program, keys per tile). ``None`` picks the tuned default for
+        the GPU and head dim. ``block_n`` is also the K-scale granularity.
+    num_warps, num_stages : int or None
+        Launch overrides for the Triton kernel (``None``: tuned default).
+    check_finite : bool
+        Check the inputs for NaN and Inf and raise (costs a pass over the inputs and a sync).
+    """
+
+    qk_format: str = "int8"
+    q_granularity: str = "token"
+    k_granularity: str = "token"
+    smooth_k: bool = True
+    pv_format: str = "fp8_e4m3"
+    smooth_v: bool | None = None
+    max_policy: str = "sampled"
+    on_violation: str = "rescale"
+    max_threshold: float = 3.0
+    exp_offload: float = 0.0
+    rowsum: str = "mma"
+    pv_accum: str = "fp32"
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    check_finite: bool = False
+
+    def __post_init__(self):
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"FSAttnConfig.{name}={value!r} is not supported; expected one of {allowed}")
+        for name in ("smooth_k", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FSAttnConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.smooth_v not in (None, True, False):
+            raise TypeError(f"FSAttnConfig.smooth_v must be None or a bool, got {self.smooth_v!r}")
+        if self.smooth_v and self.pv_format == "16bit":
+            raise ValueError(
+                "FSAttnConfig: smooth_v=True with pv_format='16bit' would round the centred V back to 16 bits, "
+                "a bias shared by every output; leave smooth_v=None"
+            )
+        if not 0.0 < float(self.max_threshold) <= P_LOG2_CEILING - 0.25:
+            raise ValueError(
+                f"FSAttnConfig.max_threshold={self.max_threshold!r} must lie in (0, {P_LOG2_CEILING - 0.25}] "
+                "(log2 units; P = 2**(s - max + 8.75 - threshold) must fit FP8 e4m3's 448)"
+            )
+        if float(self.exp_offload) not in _EXP_OFFLOAD_SHARES:
+            raise ValueError(f"FSAttnConfig.exp_offload={self.exp_offload!r}; expected one of {_EXP_OFFLOAD_SHARES}")
+        if self.exp_offload and self.pv_format != "fp8_e4m3":
+            raise ValueError("FSAttnConfig: exp_offload > 0 writes FP8 bits directly and needs pv_format='fp8_e4m3'")
+        if self.exp_offload and self.rowsum == "fma":
+            raise ValueError(
+                "FSAttnConfig: rowsum='fma' sums the unquantised P, which the bit-level exponential "
+                "(exp_offload > 0) never forms; use rowsum='mma'"
+            )
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value is not None and value not in _BLOCK_SIZES:
+                raise ValueError(f"FSAttnConfig.{name}={value!r}; expected None or one of {_BLOCK_SIZES}")
+        if self.block_n is not None and self.block_n < 32:
+            raise ValueError(f"FSAttnConfig.block_n={self.block_n!r}: the FP8 PV product needs at least 32 keys per tile")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"FSAttnConfig.num_warps={self.num_warps!r}; expected None or a power of two up to 16")
+        if self.num_stages is not None and not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
+            raise ValueError(f"FSAttnConfig.num_stages={self.num_stages!r}; expected None or an int in 1..8")
+
+    @property
+    def smooths_v(self) -> bool:
+        """Whether V is mean-centred before quantisation (resolves ``smooth_v=None``)."""
+        return self.pv_format == "fp8_e4m3" if self.smooth_v is None else self.smooth_v
+
+    @property
+    def p_offset(self) -> float:
+        """log2 of the scale of the frozen-max P: P = 2**(s - max + p_offset) <= 2**8.75 < 448."""
+        return P_LOG2_CEILING - float(self.max_threshold)
+
+    def replace(self, **changes) -> "FSAttnConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        """A canonical string form, used to pass the config through the torch custom op."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FSAttnConfig":
+        return cls(**json.loads(text))
+
+
+DEFAULT_CONFIG = FSAttnConfig()
+
+
+def uses_frozen_max(config: FSAttnConfig, n_key_tiles: int) -> bool:
+    """Whether the speculative frozen max runs, given the number of key tiles.
+
+    Sampling costs two score tiles per query tile; with few key tiles that is most of the work
+    and the rescaling it saves is small, so short key sequences (cross-attention to text) take
+    the online softmax.
+    """
+    return config.max_policy == "sampled" and n_key_tiles > 4

@@ -1,0 +1,155 @@
+"""The ``fsattn::attention`` torch custom op: one opaque node for torch.compile, plus its fake impl.
+
+The op takes already-checked tensors (see :func:`fsattn_diffusers.attention.fsattn`) and runs
+the Triton kernels on a GPU, or the PyTorch emulation of their numerics on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import stats
+from .config import FSAttnConfig, uses_frozen_max
+from .reference import emulate_fsattn
+
+# Optional: where Triton is missing (macOS, Windows) the CPU emulation still works.
+try:
+    import triton  # noqa: F401
+
+    _HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where Triton is absent
+    _HAS_TRITON = False
+
+# "emulation" (default) runs the PyTorch emulation on CPU tensors; "interpreter" runs the real
+# Triton kernels in Triton's interpreter (needs TRITON_INTERPRET=1 before Triton is imported).
+CPU_PATH = os.environ.get("FSATTN_CPU_PATH", "emulation")
+_EXP_MODES = {0.0: 0, 0.5: 1, 1.0: 2}  # kernels/fsattn_fwd.py: EXP_MODE_SFU, _HALF, _BITS
+
+
+@functools.lru_cache(maxsize=None)
+def _config_from_json(text: str) -> FSAttnConfig:
+    return FSAttnConfig.from_json(text)
+
+
+def launch_config(config: FSAttnConfig, device: torch.device, head_dim: int):
+    """The tiles and launch parameters used for `config` on `device` (config overrides win)."""
+    from .kernels.configs import INTERPRETER, default_launch_config
+
+    if device.type == "cuda":
+        base = default_launch_config(_capability(device.index), head_dim)
+    elif CPU_PATH == "interpreter":
+        base = INTERPRETER
+    else:
+        # The CPU emulation mirrors what the H200 would run, so CPU results stand for it.
+        base = default_launch_config((9, 0), head_dim)
+    return type(base)(
+        block_m=config.block_m or base.block_m,
+        block_n=config.block_n or base.block_n,
+        num_warps=config.num_warps or base.num_warps,
+        num_stages=config.num_stages or base.num_stages,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+def _as_bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "NHD" else t.transpose(1, 2)
+
+
+def pv_dtype(config: FSAttnConfig, input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of P and V in the PV product."""
+    if config.pv_format == "fp8_e4m3":
+        return torch.float8_e4m3fn
+    return torch.float16 if input_dtype == torch.float16 else torch.bfloat16
+
+
+def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
+    from .kernels import fsattn_fwd as fwd
+    from .kernels.quantize import quantize_kv
+
+    kv = quantize_kv(k, v, key_weight, block_n=launch.block_n, d_pad=_padded_dim(q.shape[-1]),
+                     k_per_token=cfg.k_granularity == "token", smooth_k=cfg.smooth_k, smooth_v=cfg.smooths_v,
+                     v_dtype=pv_dtype(cfg, q.dtype))
+    bias = None
+    if key_bias is not None:
+        bias = torch.full((key_bias.shape[0], kv.k_q.shape[2]), float("-inf"), dtype=torch.float32, device=q.device)
+        bias[:, : key_bias.shape[1]] = key_bias.float() * 1.4426950408889634  # natural -> log2 units
+    if not uses_frozen_max(cfg, kv.n_tiles):
+        frozen = fwd.FROZEN_OFF
+    else:
+        frozen = fwd.FROZEN_RESCALE if cfg.on_violation == "rescale" else fwd.FROZEN_RECOMPUTE
+    fwd.fsattn_fwd(
+        q, kv, out, lse, stats.fallback_counter(q.device), sm_scale=scale, bias=bias, frozen=frozen,
+        exp_mode=_EXP_MODES[float(cfg.exp_offload)], pv_fp32=cfg.pv_accum == "fp32",
+        rowsum_mma=cfg.rowsum == "mma", max_threshold=cfg.max_threshold,
+        block_m=launch.block_m, num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+
+
+def _padded_dim(head_dim):
+    from .kernels.configs import padded_head_dim
+
+    return padded_head_dim(head_dim)
+
+
+@torch.library.custom_op("fsattn::attention", mutates_args=())
+def attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_weight: torch.Tensor | None,
+    key_bias: torch.Tensor | None,
+    scale: float,
+    layout: str,
+    config_json: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused-softmax attention on checked inputs; returns (out in `layout`, natural-log LSE (B, H, Sq))."""
+    cfg = _config_from_json(config_json)
+    q, k, v = (_as_bshd(t, layout) for t in (query, key, value))
+    bsz, seq_q, heads, head_dim = q.shape
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=query.device)
+    launch = launch_config(cfg, q.device, head_dim)
+    q_tiles = bsz * heads * -(-seq_q // launch.block_m)
+    if q.device.type == "cuda" or CPU_PATH == "interpreter":
+        _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, _as_bshd(out, layout), lse)
+        stats.record_call("kernel", q_tiles)
+    else:
+        o, lse_e, fallbacks = emulate_fsattn(
+            q, k, v, scale=scale, config=cfg, block_m=launch.block_m, block_n=launch.block_n,
+            key_weight=key_weight, key_bias=key_bias)
+        _as_bshd(out, layout).copy_(o)
+        lse.copy_(lse_e)
+        stats.record_call("emulation", q_tiles)
+        stats.record_emulated_fallbacks(fallbacks)
+    return out, lse
+
+
+@attention_op.register_fake
+def _(query, key, value, key_weight, key_bias, scale, layout, config_json):
+    q = _as_bshd(query, layout)
+    return (
+        torch.empty(query.shape, dtype=query.dtype, device=query.device),
+        torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=query.device),
+    )
+
+
+def kernels_available(device: torch.device) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on `device`, and if not, why (a short reason key)."""
+    if device.type == "cpu":
+        return True, ""  # the emulation (or the interpreter) serves CPU tensors
+    if device.type != "cuda":
+        return False, f"device_{device.type}"
+    if torch.version.hip is not None:
+        return False, "rocm_not_supported"
+    if not _HAS_TRITON:
+        return False, "triton_missing"
+    if _capability(device.index if device.index is not None else torch.cuda.current_device()) < (8, 9):
+        return False, "gpu_without_fp8"  # FP8 e4m3 tensor cores arrived with Ada (sm_89)
+    return True, ""

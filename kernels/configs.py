@@ -1,0 +1,47 @@
+"""Launch configurations of the forward kernel, per GPU architecture and head dim.
+
+Tiles are pinned per architecture rather than autotuned at run time: the K pre-pass must know
+BLOCK_N (it is the K-scale granularity) before the kernel runs, and run-time autotuning would
+time every config on a user's first call. The table is filled from benchmarks/bench_attention.py
+sweeps (benchmarks/NOTES.md says which run chose what).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# (major, minor) compute capability -> head-dim bucket (padded D) -> config.
+_TABLE = {
+    (9, 0): {
+        32: LaunchConfig(128, 128, 8, 2),
+        64: LaunchConfig(128, 128, 8, 2),
+        128: LaunchConfig(128, 128, 8, 2),
+    },
+}
+# Ada (sm_89) and Blackwell run the same kernel; these are conservative, correct choices.
+_GENERIC = LaunchConfig(64, 64, 4, 2)
+# The Triton interpreter (CPU tests) wants small tiles to stay quick.
+INTERPRETER = LaunchConfig(16, 32, 4, 1)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """INT8 wgmma needs the reduction dim in multiples of 32; Triton blocks are powers of two."""
+    d = 32
+    while d < head_dim:
+        d *= 2
+    return d
+
+
+def default_launch_config(capability: tuple[int, int] | None, head_dim: int) -> LaunchConfig:
+    if capability is None:
+        return INTERPRETER
+    return _TABLE.get(tuple(capability), {}).get(padded_head_dim(head_dim), _GENERIC)

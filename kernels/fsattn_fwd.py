@@ -1,0 +1,332 @@
+"""The fused-softmax 8-bit attention forward kernel (Triton), one kernel with constexpr variants.
+
+Per query tile of BLOCK_M rows of one head, with K and V already quantised by
+``kernels/quantize.py``:
+
+1. Q is quantised in registers to INT8, one scale per token, with the softmax scale and log2(e)
+   folded in, so the score GEMM yields log2-domain scores.
+2. Frozen (speculative) row max ``g``: the max of two sampled key tiles (the first, and the one
+   level with the query tile), so ``g`` never exceeds the true row max (no underflow). P is
+   ``2**(s - g + C)`` with ``C = 8.75 - T``. Each tile's row max is still taken, but only to
+   detect a violation (a score above ``g + T``, where P would pass FP8's 448), off the exp's
+   critical path. On a violation (``FROZEN == 2``) the offending rows take that tile's max as
+   their new ``g``, the accumulators are rescaled once and the tile's P recomputed; or
+   (``FROZEN == 1``) the whole query tile is redone with the online softmax after the pass.
+   Query tiles that needed either are counted with an atomic add.
+3. The score GEMM's INT32 accumulator starts at the bit pattern of ``1.5 * 2**23``: for any
+   ``|acc| < 2**22`` (true for INT8 dot products over at most 128 channels) the result,
+   reinterpreted as FP32, is exactly ``1.5 * 2**23 + acc``. The int-to-float conversion (16/clk
+   on sm_90, as slow as the exponential) becomes free, and the dequantisation, the magic
+   offset and the frozen-max subtraction all ride in one FMA per score.
+4. Exponential fused with the FP8 quantisation of P: either the special-function unit
+   (``exp2``, then a saturating conversion) or bit arithmetic on the FMA pipes that writes the
+   e4m3 byte directly (Schraudolph's linear exponent with a quadratic correction of the
+   mantissa, clamped so no input yields a NaN or sign bit), or half of the keys of each tile
+   each way (``EXP_MODE``).
+5. The row sum of P comes from the tensor cores: a GEMM of P with a (keys, 16) operand whose
+   column 0 holds each key's weight (1 attended, 0 masked or padding), so it sums exactly the
+   quantised P that multiplied V, and masked keys cost no per-element work.
+
+The online path (fallback, or ``FROZEN=False``) is the usual running-max softmax on the same
+quantised operands with P scaled by 2**8.
+
+Reference: DESIGN.md sections 2 and 4; SageAttention2 (arXiv 2411.10958) for the quantisation
+granularities; FlashAttention-3 (arXiv 2407.08608) for the FP8 P scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .lowp import INTERPRETER, dot_lowp, to_low_precision
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Bits of 1.5 * 2**23: the float with this pattern plus a small integer n reads as 1.5 * 2**23 + n.
+MAGIC_BITS = 0x4B400000
+MAGIC_FLOAT = 12582912.0
+# Quadratic correction of the linear (Schraudolph) exponent: 2**f - 1 - f ~= -KAPPA f (1 - f)
+# on [0, 1); the residual is below 0.004 of the mantissa, far under FP8's rounding step.
+EXP_KAPPA = 0.3431
+
+EXP_MODE_SFU = 0  # every exponential on the special-function unit
+EXP_MODE_HALF = 1  # second half of each key tile through the bit-level exponential
+EXP_MODE_BITS = 2  # every exponential through the bit-level exponential
+
+
+@triton.jit
+def _round_half_away(x):
+    return tl.where(x >= 0, x + 0.5, x - 0.5)
+
+
+@triton.jit
+def _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, offset, bias_ptr, bias_base,
+            MULT: tl.constexpr, HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
+            BLOCK_M: tl.constexpr, KEYS: tl.constexpr, D_PAD: tl.constexpr):
+    """`MULT * (log2-domain score) + offset` for KEYS keys from `key_off` (MULT is 1, or 8 for the bit exp)."""
+    rk = key_off + tl.arange(0, KEYS)
+    rd = tl.arange(0, D_PAD)
+    k8 = tl.load(kq_ptr + kq_base + rk[:, None] * D_PAD + rd[None, :])
+    acc = tl.full((BLOCK_M, KEYS), MAGIC_BITS, tl.int32)
+    acc = tl.dot(q8, tl.trans(k8), acc=acc, out_dtype=tl.int32)
+    acc_f = acc.to(tl.float32, bitcast=True)  # == MAGIC_FLOAT + acc, exactly
+    if K_PER_TOKEN:
+        ks = tl.load(ks_ptr + ks_base + rk)
+        x = (acc_f - MAGIC_FLOAT) * ((qs * MULT)[:, None] * ks[None, :]) + offset[:, None]
+    else:
+        c = qs * (MULT * tl.load(ks_ptr + ks_base + tile))
+        x = acc_f * c[:, None] + (offset - MAGIC_FLOAT * c)[:, None]
+    if HAS_BIAS:
+        x += MULT * tl.load(bias_ptr + bias_base + rk)[None, :]
+    return x
+
+
+@triton.jit
+def _exp2_to_fp8_bits(u):
+    """FP8 e4m3 of 2**(u/8 - 7), from u = 8 * (log2 value + 7), on the FMA pipes only."""
+    u = tl.minimum(tl.maximum(u, 0.0), 126.0)  # byte 0 is +0, byte 126 is 448: never NaN, never negative
+    # floor(u / 8) by the magic-number rounding of u/8 - 1/2 (exact integers land either side;
+    # the correction below is 0 at both ends of an octave, so either is right).
+    octave = ((u * 0.125 - 0.5) + MAGIC_FLOAT) - MAGIC_FLOAT
+    frac8 = u - octave * 8.0  # the linear mantissa, in [0, 8]
+    u = frac8 * (frac8 * (EXP_KAPPA / 8.0) - EXP_KAPPA) + u
+    byte = (u + MAGIC_FLOAT).to(tl.int32, bitcast=True).to(tl.int8)  # low 8 bits = round(u)
+    return byte.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _pv_and_rowsum(p_lo, p, vt_ptr, vt_base, w_ptr, w_base, key_off, s_pad, acc_o, l_acc,
+                   PV_FP32: tl.constexpr, ROWSUM_MMA: tl.constexpr, KEYS: tl.constexpr, D_PAD: tl.constexpr,
+                   ROWSUM_COLS: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """acc_o += P V and l_acc += the row sum of P over attended keys; `p_lo` is P in V's format."""
+    rk = key_off + tl.arange(0, KEYS)
+    rd = tl.arange(0, D_PAD)
+    v = tl.load(vt_ptr + vt_base + rd[:, None] * s_pad + rk[None, :])
+    if PV_FP32:
+        acc_o += dot_lowp(p_lo, tl.trans(v), tl.zeros_like(acc_o), SOFT_ROUND)
+    else:
+        acc_o = dot_lowp(p_lo, tl.trans(v), acc_o, SOFT_ROUND)
+    if ROWSUM_MMA:
+        rc = tl.arange(0, ROWSUM_COLS)
+        w = tl.load(w_ptr + w_base + rc[:, None] * s_pad + rk[None, :])
+        l_acc = dot_lowp(p_lo, tl.trans(w), l_acc, SOFT_ROUND)
+    else:
+        w = tl.load(w_ptr + w_base + rk).to(tl.float32)
+        l_acc += tl.sum(p * w[None, :], 1)[:, None]
+    return acc_o, l_acc
+
+
+@triton.jit
+def _frozen_block(q8, qs, g, acc_o, l_acc, x_max, rescaled, row_ok, tile, key_off, p_offset, max_threshold,
+                  kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_ptr, w_base, bias_ptr, bias_base, s_pad,
+                  BITS: tl.constexpr, LAZY: tl.constexpr, HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
+                  PV_FP32: tl.constexpr, ROWSUM_MMA: tl.constexpr, BLOCK_M: tl.constexpr, KEYS: tl.constexpr,
+                  D_PAD: tl.constexpr, ROWSUM_COLS: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """One block of KEYS keys of the speculative pass, P = 2**(s - g + p_offset)."""
+    PV_DTYPE: tl.constexpr = vt_ptr.dtype.element_ty
+    offset = p_offset - g
+    if BITS:
+        u = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, 8.0 * offset + 56.0, bias_ptr,
+                    bias_base, 8.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, KEYS, D_PAD)
+        block_max = tl.max(u, 1) * 0.125 - 7.0
+        p_lo = _exp2_to_fp8_bits(u)
+        p = u  # never read: the bit exponential requires the tensor-core row sum
+    else:
+        x = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, offset, bias_ptr, bias_base,
+                    1.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, KEYS, D_PAD)
+        block_max = tl.max(x, 1)
+        p = tl.math.exp2(x)
+        p_lo = to_low_precision(p, PV_DTYPE, SOFT_ROUND)
+    if LAZY:
+        violated = row_ok & (block_max - p_offset > max_threshold)
+        if tl.max(violated.to(tl.int32), 0) > 0:
+            # Raise the offending rows' max to this block's max and rescale what they accumulated;
+            # this block's P was computed against the old max, so recompute it.
+            shift = tl.where(violated, block_max - p_offset, 0.0)
+            alpha = tl.math.exp2(-shift)
+            acc_o = acc_o * alpha[:, None]
+            l_acc = l_acc * alpha[:, None]
+            g = g + shift
+            if BITS:
+                p_lo = _exp2_to_fp8_bits(u - 8.0 * shift[:, None])
+            else:
+                p = tl.math.exp2(x - shift[:, None])
+                p_lo = to_low_precision(p, PV_DTYPE, SOFT_ROUND)
+            rescaled += 1
+    else:
+        x_max = tl.maximum(x_max, block_max)
+    acc_o, l_acc = _pv_and_rowsum(p_lo, p, vt_ptr, vt_base, w_ptr, w_base, key_off, s_pad, acc_o, l_acc,
+                                  PV_FP32, ROWSUM_MMA, KEYS, D_PAD, ROWSUM_COLS, SOFT_ROUND)
+    return g, acc_o, l_acc, x_max, rescaled
+
+
+@triton.jit
+def _online_pass(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_ptr, w_base,
+                 bias_ptr, bias_base, n_tiles, s_pad,
+                 HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr, PV_FP32: tl.constexpr,
+                 ROWSUM_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+                 ROWSUM_COLS: tl.constexpr, L_COLS: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """Exact running-max softmax; P = 2**(s - m + 8). Returns (acc, row-sum acc, log2 shift)."""
+    PV_DTYPE: tl.constexpr = vt_ptr.dtype.element_ty
+    acc_o = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    l_acc = tl.zeros((BLOCK_M, L_COLS), tl.float32)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    zero = tl.zeros((BLOCK_M,), tl.float32)
+    for tile in range(0, n_tiles):
+        x = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, tile * BLOCK_N, zero, bias_ptr, bias_base,
+                    1.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, BLOCK_N, D_PAD)
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 away from NaN
+        alpha = tl.math.exp2(m - m_use)
+        p = tl.math.exp2(x - m_use[:, None] + 8.0)
+        acc_o = acc_o * alpha[:, None]
+        l_acc = l_acc * alpha[:, None]
+        acc_o, l_acc = _pv_and_rowsum(to_low_precision(p, PV_DTYPE, SOFT_ROUND), p, vt_ptr, vt_base, w_ptr, w_base, tile * BLOCK_N,
+                                      s_pad, acc_o, l_acc, PV_FP32, ROWSUM_MMA, BLOCK_N, D_PAD, ROWSUM_COLS, SOFT_ROUND)
+        m = m_new
+    shift = tl.where(m == float("-inf"), 0.0, m) - 8.0
+    return acc_o, l_acc, shift
+
+
+@triton.jit
+def _fsattn_fwd_kernel(
+    q_ptr, out_ptr, lse_ptr,
+    kq_ptr, ks_ptr, k_mean_ptr, vt_ptr, v_scale_ptr, v_mean_ptr, w_ptr, bias_ptr, fallback_ptr,
+    seq_q, head_dim, n_q_heads, group, n_tiles, s_pad, sm_scale, max_threshold,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_wb, stride_biasb,
+    FROZEN: tl.constexpr, EXP_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
+    PV_FP32: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, ROWSUM_COLS: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    bh_kv = b * (n_q_heads // group) + h // group
+    # 64-bit bases: B*S*H*D passes 2**31 for long videos.
+    kq_base = bh_kv * s_pad * D_PAD
+    ks_base = bh_kv * (s_pad if K_PER_TOKEN else n_tiles)
+    vt_base = bh_kv * D_PAD * s_pad
+    stat_base = bh_kv * D_PAD
+    w_base = b * stride_wb
+    bias_base = b * stride_biasb
+    # Column 0 of the row-sum GEMM's (BLOCK_M, ROWSUM_COLS) result holds the sum; the FMA path keeps one column.
+    L_COLS: tl.constexpr = ROWSUM_COLS if ROWSUM_MMA else 1
+
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D_PAD)
+    row_ok = rows < seq_q
+    io_mask = row_ok[:, None] & (rd < head_dim)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + rd[None, :] * stride_qd,
+                mask=io_mask, other=0.0).to(tl.float32)
+    q_log2 = q * (sm_scale * LOG2E)
+    q_amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
+    qs = q_amax / 127.0
+    q8 = _round_half_away(q_log2 * (127.0 / q_amax)[:, None]).to(tl.int8)
+
+    if FROZEN:
+        # --- speculative pass: the frozen max is the max of two sampled key tiles ---------------
+        p_offset = 8.75 - max_threshold
+        zero = tl.zeros((BLOCK_M,), tl.float32)
+        diag = (pid_m * n_tiles) // tl.cdiv(seq_q, BLOCK_M)
+        x0 = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, 0, 0, zero, bias_ptr, bias_base,
+                     1.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, BLOCK_N, D_PAD)
+        xd = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, diag, diag * BLOCK_N, zero, bias_ptr, bias_base,
+                     1.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, BLOCK_N, D_PAD)
+        g = tl.maximum(tl.max(x0, 1), tl.max(xd, 1))
+        # A row with nothing attended in both samples has no safe guess: online pass below.
+        unguessed = tl.max((row_ok & (g == float("-inf"))).to(tl.int32), 0)
+        g = tl.where(g == float("-inf"), 0.0, g)
+
+        acc_o = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+        l_acc = tl.zeros((BLOCK_M, L_COLS), tl.float32)
+        x_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        rescaled = tl.full((), 0, tl.int32)
+        NSPLIT: tl.constexpr = 2 if EXP_MODE == 1 else 1
+        KEYS: tl.constexpr = BLOCK_N // NSPLIT
+        for tile in range(0, n_tiles):
+            for part in tl.static_range(NSPLIT):
+                g, acc_o, l_acc, x_max, rescaled = _frozen_block(
+                    q8, qs, g, acc_o, l_acc, x_max, rescaled, row_ok, tile, tile * BLOCK_N + part * KEYS,
+                    p_offset, max_threshold, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_ptr, w_base,
+                    bias_ptr, bias_base, s_pad, EXP_MODE == 2 or (EXP_MODE == 1 and part == 1), FROZEN == 2,
+                    HAS_BIAS, K_PER_TOKEN, PV_FP32, ROWSUM_MMA, BLOCK_M, KEYS, D_PAD, ROWSUM_COLS, SOFT_ROUND)
+        shift = g - p_offset
+        redo = unguessed
+        if FROZEN == 1:
+            redo += tl.max((row_ok & (x_max - p_offset > max_threshold)).to(tl.int32), 0)
+        if redo > 0:
+            acc_o, l_acc, shift = _online_pass(
+                q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_ptr, w_base, bias_ptr, bias_base,
+                n_tiles, s_pad, HAS_BIAS, K_PER_TOKEN, PV_FP32, ROWSUM_MMA, BLOCK_M, BLOCK_N, D_PAD,
+                ROWSUM_COLS, L_COLS, SOFT_ROUND)
+        if redo + rescaled > 0:
+            tl.atomic_add(fallback_ptr, 1)
+    else:
+        acc_o, l_acc, shift = _online_pass(
+            q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_ptr, w_base, bias_ptr, bias_base,
+            n_tiles, s_pad, HAS_BIAS, K_PER_TOKEN, PV_FP32, ROWSUM_MMA, BLOCK_M, BLOCK_N, D_PAD,
+            ROWSUM_COLS, L_COLS, SOFT_ROUND)
+
+    # --- epilogue: normalise, undo V's scale and mean, write O and the natural-log LSE ----------
+    l = tl.sum(l_acc, 1)  # only column 0 of the row-sum GEMM is non-zero
+    attended = l > 0.0
+    inv_l = tl.where(attended, 1.0 / tl.where(attended, l, 1.0), 0.0)
+    v_scale = tl.load(v_scale_ptr + stat_base + rd)
+    v_mean = tl.load(v_mean_ptr + stat_base + rd)
+    o = acc_o * inv_l[:, None] * v_scale[None, :] + tl.where(attended, 1.0, 0.0)[:, None] * v_mean[None, :]
+    tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_os + h * stride_oh + rd[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    # Smoothing K shifted every score of a row by sm_scale * q . k_mean: add it back.
+    q_dot_kmean = tl.sum(q * tl.load(k_mean_ptr + stat_base + rd)[None, :], 1) * sm_scale
+    lse = tl.where(attended, (shift + tl.log2(tl.where(attended, l, 1.0))) * LN2 + q_dot_kmean, float("-inf"))
+    tl.store(lse_ptr + (b * n_q_heads + h) * seq_q + rows, lse, mask=row_ok)
+
+
+FROZEN_OFF = 0  # online softmax only
+FROZEN_RECOMPUTE = 1  # frozen max; a violated query tile is redone with the online softmax
+FROZEN_RESCALE = 2  # frozen max; a violation raises the offending rows' max and rescales once
+
+
+def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen=FROZEN_RESCALE,
+               exp_mode=EXP_MODE_SFU, pv_fp32=True, rowsum_mma=True, max_threshold=3.0,
+               block_m=128, num_warps=4, num_stages=3):
+    """Launch the forward kernel.
+
+    Parameters
+    ----------
+    q, out : Tensor (B, Sq, Hq, D), any strides (permuted views are fine)
+    kv : QuantizedKV from :func:`~.quantize.quantize_kv`, with Hkv dividing Hq
+    lse : Tensor (B, Hq, Sq) float32, contiguous
+    fallback_counter : int32 Tensor (1,): query tiles whose frozen max was violated are added
+    bias : Tensor (B or 1, S_pad) float32 or None
+        Additive key bias in log2 units (-inf for masked keys and padding).
+    frozen : FROZEN_OFF, FROZEN_RECOMPUTE or FROZEN_RESCALE
+    """
+    if exp_mode != EXP_MODE_SFU and kv.v_t.dtype != torch.float8_e4m3fn:
+        raise ValueError("the bit-level exponential writes FP8 bits: it needs an FP8 V")
+    bsz, seq_q, n_q_heads, head_dim = q.shape
+    n_kv_heads = kv.k_q.shape[1]
+    d_pad = kv.k_q.shape[3]
+    s_pad = kv.k_q.shape[2]
+    grid = (triton.cdiv(seq_q, block_m), n_q_heads, bsz)
+    _fsattn_fwd_kernel[grid](
+        q, out, lse,
+        kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale, kv.v_mean, kv.key_weight,
+        bias if bias is not None else kv.k_scale, fallback_counter,
+        seq_q, head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad, float(sm_scale),
+        float(max_threshold),
+        *q.stride(), *out.stride(),
+        kv.key_weight.stride(0) if kv.key_weight.shape[0] > 1 else 0,
+        (bias.stride(0) if bias.shape[0] > 1 else 0) if bias is not None else 0,
+        FROZEN=frozen, EXP_MODE=exp_mode, HAS_BIAS=bias is not None, K_PER_TOKEN=kv.k_per_token,
+        PV_FP32=pv_fp32, ROWSUM_MMA=rowsum_mma,
+        BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=d_pad, ROWSUM_COLS=kv.key_weight.shape[1],
+        SOFT_ROUND=INTERPRETER,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse

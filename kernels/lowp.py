@@ -1,0 +1,51 @@
+"""Conversions to the 8- and 16-bit formats of the PV product, correct under Triton's interpreter too.
+
+Triton 3.6's interpreter (the CPU test path) converts float32 to FP8 e4m3 without carrying a
+rounding overflow into the exponent (125.5 becomes 64, not 128), truncates float32 to bf16,
+and computes ``tl.dot`` of bf16 operands as garbage. With ``SOFT_ROUND`` the value is first
+rounded to the target grid (nearest even) with integer arithmetic, so the conversion that
+follows is exact, and dots take float32 operands. On a GPU ``SOFT_ROUND`` is False and these
+are the plain hardware conversions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Read once at import, like Triton itself does.
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _round_to_mantissa(x, DROP: tl.constexpr):
+    """Round float32 `x` to nearest-even with the low DROP mantissa bits cleared."""
+    bits = x.to(tl.int32, bitcast=True)
+    half = (1 << (DROP - 1)) - 1
+    bits = (bits + half + ((bits >> DROP) & 1)) & (-(1 << DROP))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_low_precision(x, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """`x.to(DTYPE)` for float32 `x` within DTYPE's range."""
+    if SOFT_ROUND:
+        if DTYPE == tl.float8e4nv:
+            normal = _round_to_mantissa(x, 20)
+            subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14 has an ulp of 2**-9, e4m3's subnormal step
+            x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+        elif DTYPE == tl.bfloat16:
+            x = _round_to_mantissa(x, 16)
+        elif DTYPE == tl.float16:
+            x = _round_to_mantissa(x, 13)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def dot_lowp(a, b, acc, SOFT_ROUND: tl.constexpr):
+    """`tl.dot(a, b, acc)` for the 8/16-bit PV operands (float32 operands under the interpreter)."""
+    if SOFT_ROUND:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)

@@ -1,0 +1,207 @@
+"""K/V pre-pass of fused-softmax attention: smoothing, scales and 8-bit packing.
+
+K: the mean key (over the attended keys) is subtracted, then each key (``K_PER_TOKEN``) or each
+block of ``block_n`` keys of one head gets one INT8 scale: ``k8 = round(127 * (k - mean) / amax)``.
+Softmax is unchanged by the subtracted mean (a per-row constant of the scores).
+
+V, for the FP8 PV product: the per-channel mean is subtracted, then each channel gets one FP8
+e4m3 scale mapping its largest magnitude to 448. For the 16-bit PV product V is copied as it is
+(scale 1, mean 0). V is stored transposed, ``(B, H, D, S)``, because Hopper's FP8 wgmma needs its
+B operand K-major and K here is the key axis.
+
+Masked keys and the padding up to a whole tile are written as exact zeros and carry weight 0
+in ``key_weight``; the forward kernel then needs no mask in its loop: a zero key scores 0, which
+never exceeds the row max of the attended keys (their mean score is 0 after smoothing), and its
+weight 0 keeps it out of the output and the row sum.
+
+Buffers are padded to a whole number of tiles so that the forward kernel's main loop runs
+unmasked (ANCHORS.md: masking every load cost 4.5x at S = 32760).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .lowp import INTERPRETER, to_low_precision
+
+# e4m3fn's largest finite value.
+FP8_E4M3_MAX = 448.0
+# Width of the tile that carries each key's weight into the row-sum GEMM: the smallest N of an
+# FP8 wgmma that Triton accepts (only column 0 is non-zero).
+ROWSUM_COLS = 16
+
+
+@dataclass
+class QuantizedKV:
+    """The pre-pass's output, in the layouts the forward kernel reads."""
+
+    k_q: torch.Tensor  # int8 (B, Hkv, S_pad, D_pad)
+    k_scale: torch.Tensor  # fp32 (B, Hkv, S_pad) per key, or (B, Hkv, n_tiles) per block
+    k_mean: torch.Tensor  # fp32 (B, Hkv, D_pad): subtracted from K (zeros when not smoothing)
+    v_t: torch.Tensor  # fp8 e4m3, bf16 or fp16 (B, Hkv, D_pad, S_pad)
+    v_scale: torch.Tensor  # fp32 (B, Hkv, D_pad)
+    v_mean: torch.Tensor  # fp32 (B, Hkv, D_pad)
+    key_weight: torch.Tensor  # v_t's dtype (B or 1, ROWSUM_COLS, S_pad): row 0 is 1 for attended keys
+    k_per_token: bool
+    block_n: int
+    n_tiles: int
+    seq_len: int
+
+
+@triton.jit
+def _round_half_away(x):
+    # float -> int conversion truncates toward zero; adding +-0.5 first rounds half away from zero.
+    return tl.where(x >= 0, x + 0.5, x - 0.5)
+
+
+@triton.jit
+def _quantize_kv_kernel(
+    k_ptr, v_ptr, w_ptr,
+    k_mean_ptr, v_mean_ptr, v_inv_scale_ptr,
+    kq_ptr, k_scale_ptr, vt_ptr,
+    seq_len, head_dim, n_kv_heads,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_wb, stride_ws,
+    s_pad, n_tiles,
+    HAS_WEIGHT: tl.constexpr,
+    K_PER_TOKEN: tl.constexpr,
+    V_FP8: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // n_kv_heads).to(tl.int64)
+    h = (bh % n_kv_heads).to(tl.int64)
+
+    rows = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, D_PAD)
+    row_in = rows < seq_len
+    col_in = cols < head_dim
+    in_bounds = row_in[:, None] & col_in[None, :]
+
+    weight = row_in.to(tl.float32)
+    if HAS_WEIGHT:
+        weight = tl.load(w_ptr + b * stride_wb + rows * stride_ws, mask=row_in, other=0.0).to(tl.float32)
+    keep = weight[:, None] != 0.0
+
+    stats_off = bh.to(tl.int64) * D_PAD + cols
+    k = tl.load(k_ptr + b * stride_kb + rows[:, None] * stride_ks + h * stride_kh + cols[None, :] * stride_kd,
+                mask=in_bounds, other=0.0).to(tl.float32)
+    k = tl.where(keep & in_bounds, k - tl.load(k_mean_ptr + stats_off)[None, :], 0.0)
+    out_rows = bh.to(tl.int64) * s_pad + rows
+    if K_PER_TOKEN:
+        k_amax = tl.maximum(tl.max(tl.abs(k), axis=1), 1e-20)
+        k_q = _round_half_away(k * (127.0 / k_amax)[:, None]).to(tl.int8)
+        tl.store(k_scale_ptr + out_rows, k_amax / 127.0)
+    else:
+        k_amax = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), 1e-20)
+        k_q = _round_half_away(k * (127.0 / k_amax)).to(tl.int8)
+        tl.store(k_scale_ptr + bh.to(tl.int64) * n_tiles + tile, k_amax / 127.0)
+    tl.store(kq_ptr + out_rows[:, None] * D_PAD + cols[None, :], k_q)
+
+    v = tl.load(v_ptr + b * stride_vb + rows[:, None] * stride_vs + h * stride_vh + cols[None, :] * stride_vd,
+                mask=in_bounds, other=0.0).to(tl.float32)
+    if V_FP8:
+        v = tl.where(keep & in_bounds, v - tl.load(v_mean_ptr + stats_off)[None, :], 0.0)
+        v = v * tl.load(v_inv_scale_ptr + stats_off)[None, :]
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)  # rounding may step past 448; e4m3fn has no Inf
+    else:
+        v = tl.where(keep & in_bounds, v, 0.0)
+    vt_offs = (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + rows[:, None]
+    tl.store(vt_ptr + vt_offs, to_low_precision(v, vt_ptr.dtype.element_ty, SOFT_ROUND))
+
+
+def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
+    """Per-(batch, head, channel) K mean, V mean and V scale, fp32, padded to `d_pad` channels.
+
+    `k`, `v`: (B, S, H, D) views; `key_weight`: (B, S) float of 0/1 or None. The means only
+    need to be near the true ones (any per-channel constant leaves softmax unchanged), so
+    they are reduced in the input dtype where that saves a copy.
+    """
+    bsz, _, heads, dim = k.shape
+    dev = k.device
+
+    def mean(x):
+        if key_weight is None:
+            return torch.mean(x, dim=1, dtype=torch.float32)
+        count = key_weight.sum(dim=1).clamp_min(1.0)[:, None, None]  # all-masked rows get zeros
+        return torch.einsum("bshd,bs->bhd", x, key_weight.to(x.dtype)).float() / count
+
+    zeros = torch.zeros(bsz, heads, dim, dtype=torch.float32, device=dev)
+    k_mean = mean(k) if smooth_k else zeros
+    v_mean = mean(v) if (smooth_v and v_fp8) else zeros
+    if v_fp8:
+        v_min, v_max = torch.aminmax(v, dim=1)
+        v_amax = torch.maximum(v_max.float() - v_mean, v_mean - v_min.float()).clamp_min(1e-20)
+        v_scale = v_amax / FP8_E4M3_MAX
+    else:
+        v_scale = torch.ones_like(zeros)
+
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, d_pad - dim)).contiguous()
+
+    return pad(k_mean), pad(v_mean), pad(v_scale)
+
+
+def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smooth_k=True, smooth_v=True,
+                v_dtype=torch.float8_e4m3fn) -> QuantizedKV:
+    """Quantise K to INT8 and pack V (FP8 with per-channel scales, or 16-bit) for the forward kernel.
+
+    Parameters
+    ----------
+    k, v : Tensor (B, S, H, D), any strides
+        Keys and values (a permuted view is fine: no copy is made).
+    key_weight : Tensor (B, S) or None
+        1.0 for keys to attend to, 0.0 for masked keys (boolean key-padding mask).
+    k_per_token : bool
+        One K scale per key, else one per block of `block_n` keys.
+    v_dtype : torch.dtype
+        ``torch.float8_e4m3fn`` (scaled per channel, optionally mean-centred by `smooth_v`),
+        ``torch.bfloat16`` or ``torch.float16`` (copied as is).
+    """
+    bsz, seq_len, heads, dim = k.shape
+    n_tiles = triton.cdiv(seq_len, block_n)
+    s_pad = n_tiles * block_n
+    dev = k.device
+    v_fp8 = v_dtype == torch.float8_e4m3fn
+    k_mean, v_mean, v_scale = kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad)
+    v_inv_scale = 1.0 / v_scale
+
+    k_q = torch.empty(bsz, heads, s_pad, d_pad, dtype=torch.int8, device=dev)
+    k_scale = torch.empty(bsz, heads, s_pad if k_per_token else n_tiles, dtype=torch.float32, device=dev)
+    v_t = torch.empty(bsz, heads, d_pad, s_pad, dtype=v_dtype, device=dev)
+    w_arg = key_weight if key_weight is not None else k_scale  # unused pointer when no weight
+    _quantize_kv_kernel[(n_tiles, bsz * heads)](
+        k, v, w_arg,
+        k_mean, v_mean, v_inv_scale,
+        k_q, k_scale, v_t,
+        seq_len, dim, heads,
+        *k.stride(), *v.stride(),
+        key_weight.stride(0) if key_weight is not None else 0,
+        key_weight.stride(1) if key_weight is not None else 0,
+        s_pad, n_tiles,
+        HAS_WEIGHT=key_weight is not None,
+        K_PER_TOKEN=k_per_token,
+        V_FP8=v_fp8,
+        SOFT_ROUND=INTERPRETER,
+        BLOCK_N=block_n,
+        D_PAD=d_pad,
+        num_warps=4,
+    )
+
+    # The row-sum GEMM's B operand, stored (ROWSUM_COLS, S_pad) so that it is K-major.
+    w_rows = 1 if key_weight is None else bsz
+    weight = torch.zeros(w_rows, ROWSUM_COLS, s_pad, dtype=torch.float32, device=dev)
+    weight[:, 0, :seq_len] = 1.0 if key_weight is None else key_weight
+    return QuantizedKV(
+        k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
+        key_weight=weight.to(v_dtype), k_per_token=k_per_token, block_n=block_n, n_tiles=n_tiles,
+        seq_len=seq_len,
+    )
