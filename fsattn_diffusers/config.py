@@ -141,6 +141,9 @@ class FSAttnConfig:
             raise ValueError(f"FSAttnConfig.num_warps={self.num_warps!r}; expected None or a power of two up to 16")
         if self.num_stages is not None and not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
             raise ValueError(f"FSAttnConfig.num_stages={self.num_stages!r}; expected None or an int in 1..8")
+        # Serialised once: the custom op takes the config as a string, and torch.compile cannot
+        # trace json.dumps, but it can read a constant attribute.
+        object.__setattr__(self, "_json", json.dumps(dataclasses.asdict(self), sort_keys=True))
 
     @property
     def smooths_v(self) -> bool:
@@ -157,7 +160,7 @@ class FSAttnConfig:
 
     def to_json(self) -> str:
         """A canonical string form, used to pass the config through the torch custom op."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return self._json
 
     @classmethod
     def from_json(cls, text: str) -> "FSAttnConfig":

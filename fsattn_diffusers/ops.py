@@ -140,6 +140,7 @@ def _(query, key, value, key_weight, key_bias, scale, layout, config_json):
     )
 
 
+@torch.compiler.assume_constant_result
 def kernels_available(device: torch.device) -> tuple[bool, str]:
     """Whether the Triton kernels can run on `device`, and if not, why (a short reason key)."""
     if device.type == "cpu":

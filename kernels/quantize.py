@@ -144,10 +144,11 @@ def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
     else:
         v_scale = torch.ones_like(zeros)
 
-    def pad(t):
-        return torch.nn.functional.pad(t, (0, d_pad - dim)).contiguous()
+    def pad(t, value=0.0):
+        return torch.nn.functional.pad(t, (0, d_pad - dim), value=value).contiguous()
 
-    return pad(k_mean), pad(v_mean), pad(v_scale)
+    # Padding channels get scale 1: their V is zero, and 1/scale must stay finite.
+    return pad(k_mean), pad(v_mean), pad(v_scale, 1.0)
 
 
 def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smooth_k=True, smooth_v=True,
