@@ -42,14 +42,15 @@ import triton.language as tl
 
 from .lowp import INTERPRETER, dot_lowp, to_low_precision
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# Globals a @triton.jit function reads must be tl.constexpr.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 # Bits of 1.5 * 2**23: the float with this pattern plus a small integer n reads as 1.5 * 2**23 + n.
-MAGIC_BITS = 0x4B400000
-MAGIC_FLOAT = 12582912.0
+MAGIC_BITS = tl.constexpr(0x4B400000)
+MAGIC_FLOAT = tl.constexpr(12582912.0)
 # Quadratic correction of the linear (Schraudolph) exponent: 2**f - 1 - f ~= -KAPPA f (1 - f)
 # on [0, 1); the residual is below 0.004 of the mantissa, far under FP8's rounding step.
-EXP_KAPPA = 0.3431
+EXP_KAPPA = tl.constexpr(0.3431)
 
 EXP_MODE_SFU = 0  # every exponential on the special-function unit
 EXP_MODE_HALF = 1  # second half of each key tile through the bit-level exponential
@@ -142,17 +143,23 @@ def _frozen_block(q8, qs, g, acc_o, l_acc, x_max, rescaled, row_ok, tile, key_of
     if LAZY:
         violated = row_ok & (block_max - p_offset > max_threshold)
         if tl.max(violated.to(tl.int32), 0) > 0:
-            # Raise the offending rows' max to this block's max and rescale what they accumulated;
-            # this block's P was computed against the old max, so recompute it.
+            # Raise the offending rows' max to this block's max and rescale what they accumulated.
+            # This block's P was computed against the old max: redo it, scores included (rare, and
+            # keeping the scores alive for it would cost registers on every block).
             shift = tl.where(violated, block_max - p_offset, 0.0)
             alpha = tl.math.exp2(-shift)
             acc_o = acc_o * alpha[:, None]
             l_acc = l_acc * alpha[:, None]
             g = g + shift
+            offset = p_offset - g
             if BITS:
-                p_lo = _exp2_to_fp8_bits(u - 8.0 * shift[:, None])
+                u = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, 8.0 * offset + 56.0, bias_ptr,
+                            bias_base, 8.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, KEYS, D_PAD)
+                p_lo = _exp2_to_fp8_bits(u)
             else:
-                p = tl.math.exp2(x - shift[:, None])
+                x = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, offset, bias_ptr, bias_base,
+                            1.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, KEYS, D_PAD)
+                p = tl.math.exp2(x)
                 p_lo = to_low_precision(p, PV_DTYPE, SOFT_ROUND)
             rescaled += 1
     else:
@@ -223,6 +230,9 @@ def _fsattn_fwd_kernel(
     io_mask = row_ok[:, None] & (rd < head_dim)[None, :]
     q = tl.load(q_ptr + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + rd[None, :] * stride_qd,
                 mask=io_mask, other=0.0).to(tl.float32)
+    # Smoothing K shifts every score of a row by sm_scale * q . k_mean; the LSE adds it back. Taken
+    # now so that the float32 Q tile is dead before the loop (it would hold 64-128 registers).
+    q_dot_kmean = tl.sum(q * tl.load(k_mean_ptr + stat_base + rd)[None, :], 1) * sm_scale
     q_log2 = q * (sm_scale * LOG2E)
     q_amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
     qs = q_amax / 127.0
@@ -281,8 +291,6 @@ def _fsattn_fwd_kernel(
     o = acc_o * inv_l[:, None] * v_scale[None, :] + tl.where(attended, 1.0, 0.0)[:, None] * v_mean[None, :]
     tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_os + h * stride_oh + rd[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
-    # Smoothing K shifted every score of a row by sm_scale * q . k_mean: add it back.
-    q_dot_kmean = tl.sum(q * tl.load(k_mean_ptr + stat_base + rd)[None, :], 1) * sm_scale
     lse = tl.where(attended, (shift + tl.log2(tl.where(attended, l, 1.0))) * LN2 + q_dot_kmean, float("-inf"))
     tl.store(lse_ptr + (b * n_q_heads + h) * seq_q + rows, lse, mask=row_ok)
 

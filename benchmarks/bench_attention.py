@@ -1,0 +1,212 @@
+"""fsattn against SDPA (default = cuDNN on Hopper, flash, cuDNN) and SageAttention, side by side.
+
+    python benchmarks/bench_attention.py --shapes wan13b_480p wan14b_720p --out benchmarks/results/x.json
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random bf16 inputs; fsattn's
+quantisation pre-pass is inside its time. Effective TFLOP/s = 4*B*H*Sq*Sk*D / time. Accuracy is
+measured on a random sample of query rows of two heads against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import SHAPES  # noqa: E402
+
+from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats  # noqa: E402
+from fsattn_diffusers.reference import attention_reference  # noqa: E402
+
+# Named fsattn variants: FSAttnConfig fields. Tile overrides: block_m, block_n, num_warps, num_stages.
+VARIANTS = {
+    "default": {},
+    "online": {"max_policy": "online"},
+    "recompute": {"on_violation": "recompute"},
+    "pv16": {"pv_format": "16bit"},
+    "fp8": {"pv_format": "fp8_e4m3"},
+    "exp_half": {"exp_offload": 0.5},
+    "exp_bits": {"exp_offload": 1.0},
+    "k_block": {"k_granularity": "block"},
+    "rowsum_fma": {"rowsum": "fma"},
+    "pv_hw_acc": {"pv_accum": "hw"},
+}
+
+
+def parse_variant(spec: str):
+    """'name' from VARIANTS, or 'label:key=value,key=value' (values parsed as int/float/str)."""
+    if ":" not in spec:
+        return spec, dict(VARIANTS[spec])
+    label, body = spec.split(":", 1)
+    fields = {}
+    for item in filter(None, body.split(",")):
+        key, value = item.split("=")
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                pass
+        fields[key] = value
+    return label, fields
+
+
+def environment():
+    info = {"torch": torch.__version__, "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = list(torch.cuda.get_device_capability())
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True).stdout.strip()
+        except OSError:
+            info["driver"] = None
+    return info
+
+
+def kernel_report():
+    """Registers, spills and wgmma count of the compiled forward kernels (Triton's cache)."""
+    from fsattn_diffusers.kernels import fsattn_fwd as fwd
+
+    rows = []
+    try:
+        for cache in fwd._fsattn_fwd_kernel.device_caches.values():
+            for kernel in cache[0].values():
+                ptx = kernel.asm.get("ptx", "")
+                rows.append({"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
+                             "wgmma": ptx.count("wgmma.mma_async"), "name": kernel.name,
+                             "constants": {k: str(v) for k, v in getattr(kernel, "constants", {}).items()
+                                           if isinstance(k, str) and k.isupper()}})
+    except Exception as exc:  # introspection differs between Triton releases: report, don't fail
+        rows.append({"error": repr(exc)})
+    return rows
+
+
+def make_inputs(shape, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(shape.batch, s, shape.heads, shape.head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=gen) for s in (shape.seq_q, shape.seq_k, shape.seq_k))
+    mask = None
+    if shape.padded_keys:
+        mask = torch.ones(shape.batch, 1, 1, shape.seq_k, dtype=torch.bool, device="cuda")
+        mask[..., shape.seq_k - shape.padded_keys:] = False
+    return q, k, v, mask
+
+
+def sdpa_fn(q, k, v, mask, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+    def run():
+        if backend == "default":
+            return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        with sdpa_kernel(backends[backend]):
+            return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+
+    return run
+
+
+def sage_fn(q, k, v, mask):
+    import sageattention
+
+    return lambda: sageattention.sageattn(q, k, v, tensor_layout="NHD", is_causal=False)
+
+
+def accuracy(out_fn, q, k, v, mask, seed, rows=1024):
+    """cos / rel-L1 of `out_fn()` (B, S, H, D) on sampled query rows of the first two heads, vs float64."""
+    out = out_fn()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.randperm(q.shape[1], device="cuda", generator=gen)[:rows]
+    heads = slice(0, 2)
+    ref, _ = attention_reference(q[:, idx, heads], k[:, :, heads], v[:, :, heads], mask)
+    o = out[:, idx, heads].double()
+    cos = float(F.cosine_similarity(o.flatten(), ref.flatten(), dim=0))
+    l1 = float((o - ref).abs().sum() / ref.abs().sum())
+    return {"cos": cos, "rel_l1": l1, "finite": bool(torch.isfinite(out).all())}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--variants", nargs="+", default=["default"],
+                        help=f"fsattn variants: names from {list(VARIANTS)} or 'label:key=value,...'")
+    parser.add_argument("--baselines", nargs="*", default=["default", "flash", "cudnn", "sage"])
+    parser.add_argument("--no-accuracy", action="store_true")
+    parser.add_argument("--rep-ms", type=float, default=300.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args()
+
+    import triton.testing
+
+    env = environment()
+    print(json.dumps(env))
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        acc = row.get("accuracy") or {}
+        print(f"{row['shape']:16s} {row['method']:28s} {row.get('ms', float('nan')):9.3f} ms "
+              f"{row.get('tflops', float('nan')):7.1f} TFLOP/s x{row.get('speedup', float('nan')):5.2f} "
+              f"cos {acc.get('cos', float('nan')):.6f} l1 {acc.get('rel_l1', float('nan')):.4f} "
+              f"fb {row.get('fallback_share', '')} {row.get('error', '')}", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"environment": env, "rows": rows, "kernels": kernel_report()}, f, indent=1)
+
+    for name in args.shapes:
+        shape = SHAPES[name]
+        q, k, v, mask = make_inputs(shape, args.seed)
+        base_ms = None
+        for backend in args.baselines:
+            method = f"sdpa_{backend}" if backend != "sage" else "sageattention"
+            try:
+                fn = sage_fn(q, k, v, mask) if backend == "sage" else sdpa_fn(q, k, v, mask, backend)
+                ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
+            except Exception as exc:  # a backend that cannot take the shape (or is absent)
+                record({"shape": name, "method": method, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+            if backend == "default":
+                base_ms = ms
+            record({"shape": name, "method": method, "ms": ms, "tflops": shape.flops / ms / 1e9,
+                    "speedup": (base_ms / ms) if base_ms else float("nan")})
+            torch.cuda.empty_cache()
+        for spec in args.variants:
+            label, fields = parse_variant(spec)
+            try:
+                cfg = FSAttnConfig(**fields)
+                fn = lambda: fsattn(q, k, v, attn_mask=mask, config=cfg)  # noqa: E731
+                reset_stats()
+                acc = None if args.no_accuracy else accuracy(fn, q, k, v, mask, args.seed)
+                s = stats()
+                share = f"{s['fallback_q_tiles']}/{s['q_tiles']}" if s["q_tiles"] else ""
+                ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
+            except Exception as exc:
+                record({"shape": name, "method": f"fsattn[{label}]", "error": f"{type(exc).__name__}: {exc}"[:300]})
+                continue
+            record({"shape": name, "method": f"fsattn[{label}]", "config": fields, "ms": ms,
+                    "tflops": shape.flops / ms / 1e9, "speedup": (base_ms / ms) if base_ms else float("nan"),
+                    "accuracy": acc, "fallback_share": share})
+        del q, k, v, mask
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

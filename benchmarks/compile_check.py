@@ -1,0 +1,104 @@
+"""Compile the forward kernel for sm_90 without a GPU and report registers, spills, wgmma and shared memory.
+
+    python benchmarks/compile_check.py                       # every variant at the default tiles
+    python benchmarks/compile_check.py --tiles 128,64,4,3    # BLOCK_M,BLOCK_N,num_warps,num_stages
+
+Costs no device time: Triton's bundled ptxas assembles for sm_90a here, so compile errors, spills
+and missing wgmma instructions show before a lease.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fsattn_diffusers.kernels import fsattn_fwd as fwd  # noqa: E402
+
+# (FROZEN, EXP_MODE, K_PER_TOKEN, PV dtype, PV_FP32, ROWSUM_MMA, HAS_BIAS)
+VARIANTS = {
+    "default": (2, 0, True, "fp8e4nv", True, True, False),
+    "online": (0, 0, True, "fp8e4nv", True, True, False),
+    "recompute": (1, 0, True, "fp8e4nv", True, True, False),
+    "pv16": (2, 0, True, "bf16", True, True, False),
+    "exp_half": (2, 1, True, "fp8e4nv", True, True, False),
+    "exp_bits": (2, 2, True, "fp8e4nv", True, True, False),
+    "k_block": (2, 0, False, "fp8e4nv", True, True, False),
+    "rowsum_fma": (2, 0, True, "fp8e4nv", True, False, False),
+    "pv_hw_acc": (2, 0, True, "fp8e4nv", False, True, False),
+    "bias": (2, 0, True, "fp8e4nv", True, True, True),
+}
+
+
+def compile_variant(frozen, exp_mode, k_per_token, pv, pv_fp32, rowsum_mma, has_bias, block_m, block_n, warps,
+                    stages, d_pad=128):
+    kernel = fwd._fsattn_fwd_kernel
+    sig = {
+        "q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "kq_ptr": "*i8", "ks_ptr": "*fp32",
+        "k_mean_ptr": "*fp32", "vt_ptr": f"*{pv}", "v_scale_ptr": "*fp32", "v_mean_ptr": "*fp32",
+        "w_ptr": f"*{pv}", "bias_ptr": "*fp32", "fallback_ptr": "*i32",
+        "seq_q": "i32", "head_dim": "i32", "n_q_heads": "i32", "group": "i32", "n_tiles": "i32", "s_pad": "i32",
+        "sm_scale": "fp32", "max_threshold": "fp32",
+        "stride_qb": "i32", "stride_qs": "i32", "stride_qh": "i32", "stride_qd": "constexpr",
+        "stride_ob": "i32", "stride_os": "i32", "stride_oh": "i32", "stride_od": "constexpr",
+        "stride_wb": "i32", "stride_biasb": "i32",
+    }
+    constexprs = {"stride_qd": 1, "stride_od": 1, "FROZEN": frozen, "EXP_MODE": exp_mode, "HAS_BIAS": has_bias,
+                  "K_PER_TOKEN": k_per_token, "PV_FP32": pv_fp32, "ROWSUM_MMA": rowsum_mma, "BLOCK_M": block_m,
+                  "BLOCK_N": block_n, "D_PAD": d_pad, "ROWSUM_COLS": 16, "SOFT_ROUND": False}
+    for name in kernel.arg_names:
+        if name in constexprs and name not in sig:
+            sig[name] = "constexpr"
+    # 16-byte alignment of every pointer and of the strides that are multiples of 16, as at run time.
+    aligned = [[i] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("s_pad", "stride_qs")]
+    src = ASTSource(kernel, sig, constexprs, attrs={(i[0],): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def ptxas_report(ptx: str) -> str:
+    """Registers and spill bytes as ptxas reports them (the compiled kernel fills n_regs only on a GPU)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores", err)
+    return f"regs {regs.group(1) if regs else '?':>4s} spill {spill.group(1) if spill else '?':>5s}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--tiles", nargs="+", default=["128,128,8,2"])
+    parser.add_argument("--dump", default=None, help="folder to write each variant's PTX and SASS into")
+    args = parser.parse_args()
+    for tiles in args.tiles:
+        block_m, block_n, warps, stages = (int(x) for x in tiles.split(","))
+        for name in args.variants:
+            try:
+                k = compile_variant(*VARIANTS[name], block_m, block_n, warps, stages)
+            except Exception as exc:
+                print(f"{tiles:12s} {name:12s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+                continue
+            ptx = k.asm["ptx"]
+            print(f"{tiles:12s} {name:12s} {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
+                  f"wgmma {ptx.count('wgmma.mma_async'):3d} ex2 {ptx.count('ex2.approx'):4d} "
+                  f"cvt.e4m3 {ptx.count('e4m3x2'):3d} bar {ptx.count('bar.sync'):3d}", flush=True)
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                with open(os.path.join(args.dump, f"{name}_{tiles.replace(',', '_')}.ptx"), "w") as f:
+                    f.write(ptx)
+
+
+if __name__ == "__main__":
+    main()

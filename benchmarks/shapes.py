@@ -1,0 +1,37 @@
+"""Attention shapes of real video DiTs, ordered small to large.
+
+Each shape is (batch, heads, seq_q, seq_k, head_dim) plus, where the model passes one, a key-padding
+mask: the number of trailing keys that are padding.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    padded_keys: int = 0  # trailing keys masked out (boolean key-padding mask), 0 for none
+    note: str = ""
+
+    @property
+    def flops(self) -> float:
+        """4 * B * H * Sq * Sk * D: the two GEMMs of non-causal attention."""
+        return 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.head_dim
+
+
+SHAPES = {
+    s.name: s
+    for s in [
+        Shape("wan_cross_480p", 1, 12, 32760, 512, 128, note="Wan2.1 cross-attention to 512 text tokens"),
+        Shape("cogvideox_d64", 2, 48, 17776, 17776, 64, note="CogVideoX-like, head dim 64, CFG batch 2"),
+        Shape("wan13b_480p", 1, 12, 32760, 32760, 128, note="Wan2.1-1.3B 480x832, 81 frames"),
+        Shape("hunyuan_720p", 1, 24, 119056, 119056, 128, padded_keys=226,
+              note="HunyuanVideo 720x1280, 129 frames: 118800 video + 256 text tokens, 226 of them padding"),
+        Shape("wan14b_720p", 1, 40, 75600, 75600, 128, note="Wan2.1-14B 720x1280, 81 frames"),
+    ]
+}
