@@ -33,6 +33,11 @@ VARIANTS = {
     "rowsum_fma": (2, 0, True, "fp8e4nv", True, False, False),
     "pv_hw_acc": (2, 0, True, "fp8e4nv", False, True, False),
     "bias": (2, 0, True, "fp8e4nv", True, True, True),
+    "online_hw": (0, 0, True, "fp8e4nv", False, True, False),
+    "online_hw_kblock": (0, 0, False, "fp8e4nv", False, True, False),
+    "rescale_hw_kblock": (2, 0, False, "fp8e4nv", False, True, False),
+    "pv16_hw": (2, 0, True, "bf16", False, True, False),
+    "online_pv16_hw": (0, 0, True, "bf16", False, True, False),
 }
 
 
@@ -40,23 +45,22 @@ def compile_variant(frozen, exp_mode, k_per_token, pv, pv_fp32, rowsum_mma, has_
                     stages, d_pad=128):
     kernel = fwd._fsattn_fwd_kernel
     sig = {
-        "q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "kq_ptr": "*i8", "ks_ptr": "*fp32",
+        "q8_ptr": "*i8", "qs_ptr": "*fp32", "qkm_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "kq_ptr": "*i8", "ks_ptr": "*fp32",
         "k_mean_ptr": "*fp32", "vt_ptr": f"*{pv}", "v_scale_ptr": "*fp32", "v_mean_ptr": "*fp32",
         "w_ptr": f"*{pv}", "bias_ptr": "*fp32", "fallback_ptr": "*i32",
-        "seq_q": "i32", "head_dim": "i32", "n_q_heads": "i32", "group": "i32", "n_tiles": "i32", "s_pad": "i32",
-        "sm_scale": "fp32", "max_threshold": "fp32",
-        "stride_qb": "i32", "stride_qs": "i32", "stride_qh": "i32", "stride_qd": "constexpr",
+        "seq_q": "i32", "q_pad": "i32", "head_dim": "i32", "n_q_heads": "i32", "group": "i32", "n_tiles": "i32", "s_pad": "i32",
+        "max_threshold": "fp32",
         "stride_ob": "i32", "stride_os": "i32", "stride_oh": "i32", "stride_od": "constexpr",
         "stride_wb": "i32", "stride_biasb": "i32",
     }
-    constexprs = {"stride_qd": 1, "stride_od": 1, "FROZEN": frozen, "EXP_MODE": exp_mode, "HAS_BIAS": has_bias,
+    constexprs = {"stride_od": 1, "FROZEN": frozen, "EXP_MODE": exp_mode, "HAS_BIAS": has_bias,
                   "K_PER_TOKEN": k_per_token, "PV_FP32": pv_fp32, "ROWSUM_MMA": rowsum_mma, "BLOCK_M": block_m,
                   "BLOCK_N": block_n, "D_PAD": d_pad, "ROWSUM_COLS": 16, "SOFT_ROUND": False}
     for name in kernel.arg_names:
         if name in constexprs and name not in sig:
             sig[name] = "constexpr"
     # 16-byte alignment of every pointer and of the strides that are multiples of 16, as at run time.
-    aligned = [[i] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("s_pad", "stride_qs")]
+    aligned = [[i] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("s_pad", "q_pad")]
     src = ASTSource(kernel, sig, constexprs, attrs={(i[0],): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 

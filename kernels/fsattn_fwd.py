@@ -1,10 +1,10 @@
 """The fused-softmax 8-bit attention forward kernel (Triton), one kernel with constexpr variants.
 
-Per query tile of BLOCK_M rows of one head, with K and V already quantised by
+Per query tile of BLOCK_M rows of one head, with Q, K and V already quantised by
 ``kernels/quantize.py``:
 
-1. Q is quantised in registers to INT8, one scale per token, with the softmax scale and log2(e)
-   folded in, so the score GEMM yields log2-domain scores.
+1. Q is INT8, one scale per token, with the softmax scale and log2(e) folded in, so the score
+   GEMM yields log2-domain scores.
 2. Frozen (speculative) row max ``g``: the max of two sampled key tiles (the first, and the one
    level with the query tile), so ``g`` never exceeds the true row max (no underflow). P is
    ``2**(s - g + C)`` with ``C = 8.75 - T``. Each tile's row max is still taken, but only to
@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .lowp import INTERPRETER, dot_lowp, to_low_precision
+from .quantize import quantize_q
 
 # Globals a @triton.jit function reads must be tl.constexpr.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -74,8 +75,11 @@ def _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, offset, bia
     acc = tl.dot(q8, tl.trans(k8), acc=acc, out_dtype=tl.int32)
     acc_f = acc.to(tl.float32, bitcast=True)  # == MAGIC_FLOAT + acc, exactly
     if K_PER_TOKEN:
+        # Two FMAs per score: the key scale (with the magic offset folded into a per-key addend),
+        # then the query scale and the row offset.
         ks = tl.load(ks_ptr + ks_base + rk)
-        x = (acc_f - MAGIC_FLOAT) * ((qs * MULT)[:, None] * ks[None, :]) + offset[:, None]
+        scaled = acc_f * ks[None, :] - (ks * MAGIC_FLOAT)[None, :]
+        x = scaled * (qs * MULT)[:, None] + offset[:, None]
     else:
         c = qs * (MULT * tl.load(ks_ptr + ks_base + tile))
         x = acc_f * c[:, None] + (offset - MAGIC_FLOAT * c)[:, None]
@@ -99,8 +103,8 @@ def _exp2_to_fp8_bits(u):
 
 @triton.jit
 def _pv_and_rowsum(p_lo, p, vt_ptr, vt_base, w_ptr, w_base, key_off, s_pad, acc_o, l_acc,
-                   PV_FP32: tl.constexpr, ROWSUM_MMA: tl.constexpr, KEYS: tl.constexpr, D_PAD: tl.constexpr,
-                   ROWSUM_COLS: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                   PV_FP32: tl.constexpr, ROWSUM_MMA: tl.constexpr, BLOCK_M: tl.constexpr, KEYS: tl.constexpr,
+                   D_PAD: tl.constexpr, ROWSUM_COLS: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """acc_o += P V and l_acc += the row sum of P over attended keys; `p_lo` is P in V's format."""
     rk = key_off + tl.arange(0, KEYS)
     rd = tl.arange(0, D_PAD)
@@ -110,12 +114,17 @@ def _pv_and_rowsum(p_lo, p, vt_ptr, vt_base, w_ptr, w_base, key_off, s_pad, acc_
     else:
         acc_o = dot_lowp(p_lo, tl.trans(v), acc_o, SOFT_ROUND)
     if ROWSUM_MMA:
+        # Always added in FP32: chained through Hopper's FP8 accumulator (about 14 bits) over
+        # hundreds of tiles, the row sum lost half its value at S = 32760 (benchmarks/NOTES.md).
+        # Only column 0 of the (rows, ROWSUM_COLS) product is non-zero; reducing it right away keeps
+        # one register per row alive across the loop instead of the whole tile.
         rc = tl.arange(0, ROWSUM_COLS)
         w = tl.load(w_ptr + w_base + rc[:, None] * s_pad + rk[None, :])
-        l_acc = dot_lowp(p_lo, tl.trans(w), l_acc, SOFT_ROUND)
+        l_tile = dot_lowp(p_lo, tl.trans(w), tl.zeros((BLOCK_M, ROWSUM_COLS), tl.float32), SOFT_ROUND)
+        l_acc += tl.sum(l_tile, 1)
     else:
         w = tl.load(w_ptr + w_base + rk).to(tl.float32)
-        l_acc += tl.sum(p * w[None, :], 1)[:, None]
+        l_acc += tl.sum(p * w[None, :], 1)
     return acc_o, l_acc
 
 
@@ -149,7 +158,7 @@ def _frozen_block(q8, qs, g, acc_o, l_acc, x_max, rescaled, row_ok, tile, key_of
             shift = tl.where(violated, block_max - p_offset, 0.0)
             alpha = tl.math.exp2(-shift)
             acc_o = acc_o * alpha[:, None]
-            l_acc = l_acc * alpha[:, None]
+            l_acc = l_acc * alpha
             g = g + shift
             offset = p_offset - g
             if BITS:
@@ -165,7 +174,7 @@ def _frozen_block(q8, qs, g, acc_o, l_acc, x_max, rescaled, row_ok, tile, key_of
     else:
         x_max = tl.maximum(x_max, block_max)
     acc_o, l_acc = _pv_and_rowsum(p_lo, p, vt_ptr, vt_base, w_ptr, w_base, key_off, s_pad, acc_o, l_acc,
-                                  PV_FP32, ROWSUM_MMA, KEYS, D_PAD, ROWSUM_COLS, SOFT_ROUND)
+                                  PV_FP32, ROWSUM_MMA, BLOCK_M, KEYS, D_PAD, ROWSUM_COLS, SOFT_ROUND)
     return g, acc_o, l_acc, x_max, rescaled
 
 
@@ -174,11 +183,11 @@ def _online_pass(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_pt
                  bias_ptr, bias_base, n_tiles, s_pad,
                  HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr, PV_FP32: tl.constexpr,
                  ROWSUM_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-                 ROWSUM_COLS: tl.constexpr, L_COLS: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                 ROWSUM_COLS: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """Exact running-max softmax; P = 2**(s - m + 8). Returns (acc, row-sum acc, log2 shift)."""
     PV_DTYPE: tl.constexpr = vt_ptr.dtype.element_ty
     acc_o = tl.zeros((BLOCK_M, D_PAD), tl.float32)
-    l_acc = tl.zeros((BLOCK_M, L_COLS), tl.float32)
+    l_acc = tl.zeros((BLOCK_M,), tl.float32)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     zero = tl.zeros((BLOCK_M,), tl.float32)
     for tile in range(0, n_tiles):
@@ -189,9 +198,9 @@ def _online_pass(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_pt
         alpha = tl.math.exp2(m - m_use)
         p = tl.math.exp2(x - m_use[:, None] + 8.0)
         acc_o = acc_o * alpha[:, None]
-        l_acc = l_acc * alpha[:, None]
+        l_acc = l_acc * alpha
         acc_o, l_acc = _pv_and_rowsum(to_low_precision(p, PV_DTYPE, SOFT_ROUND), p, vt_ptr, vt_base, w_ptr, w_base, tile * BLOCK_N,
-                                      s_pad, acc_o, l_acc, PV_FP32, ROWSUM_MMA, BLOCK_N, D_PAD, ROWSUM_COLS, SOFT_ROUND)
+                                      s_pad, acc_o, l_acc, PV_FP32, ROWSUM_MMA, BLOCK_M, BLOCK_N, D_PAD, ROWSUM_COLS, SOFT_ROUND)
         m = m_new
     shift = tl.where(m == float("-inf"), 0.0, m) - 8.0
     return acc_o, l_acc, shift
@@ -199,10 +208,9 @@ def _online_pass(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_pt
 
 @triton.jit
 def _fsattn_fwd_kernel(
-    q_ptr, out_ptr, lse_ptr,
+    q8_ptr, qs_ptr, qkm_ptr, out_ptr, lse_ptr,
     kq_ptr, ks_ptr, k_mean_ptr, vt_ptr, v_scale_ptr, v_mean_ptr, w_ptr, bias_ptr, fallback_ptr,
-    seq_q, head_dim, n_q_heads, group, n_tiles, s_pad, sm_scale, max_threshold,
-    stride_qb, stride_qs, stride_qh, stride_qd,
+    seq_q, q_pad, head_dim, n_q_heads, group, n_tiles, s_pad, max_threshold,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_wb, stride_biasb,
     FROZEN: tl.constexpr, EXP_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
@@ -221,22 +229,16 @@ def _fsattn_fwd_kernel(
     stat_base = bh_kv * D_PAD
     w_base = b * stride_wb
     bias_base = b * stride_biasb
-    # Column 0 of the row-sum GEMM's (BLOCK_M, ROWSUM_COLS) result holds the sum; the FMA path keeps one column.
-    L_COLS: tl.constexpr = ROWSUM_COLS if ROWSUM_MMA else 1
 
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D_PAD)
     row_ok = rows < seq_q
     io_mask = row_ok[:, None] & (rd < head_dim)[None, :]
-    q = tl.load(q_ptr + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + rd[None, :] * stride_qd,
-                mask=io_mask, other=0.0).to(tl.float32)
-    # Smoothing K shifts every score of a row by sm_scale * q . k_mean; the LSE adds it back. Taken
-    # now so that the float32 Q tile is dead before the loop (it would hold 64-128 registers).
-    q_dot_kmean = tl.sum(q * tl.load(k_mean_ptr + stat_base + rd)[None, :], 1) * sm_scale
-    q_log2 = q * (sm_scale * LOG2E)
-    q_amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
-    qs = q_amax / 127.0
-    q8 = _round_half_away(q_log2 * (127.0 / q_amax)[:, None]).to(tl.int8)
+    # Q comes quantised from the pre-pass (padded to whole tiles): loaded from memory, Triton keeps
+    # the score GEMM's A operand in shared memory rather than in 32-128 registers per thread.
+    q_rows = (b * n_q_heads + h) * q_pad + rows
+    q8 = tl.load(q8_ptr + q_rows[:, None] * D_PAD + rd[None, :])
+    qs = tl.load(qs_ptr + q_rows)
 
     if FROZEN:
         # --- speculative pass: the frozen max is the max of two sampled key tiles ---------------
@@ -253,7 +255,7 @@ def _fsattn_fwd_kernel(
         g = tl.where(g == float("-inf"), 0.0, g)
 
         acc_o = tl.zeros((BLOCK_M, D_PAD), tl.float32)
-        l_acc = tl.zeros((BLOCK_M, L_COLS), tl.float32)
+        l_acc = tl.zeros((BLOCK_M,), tl.float32)
         x_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         rescaled = tl.full((), 0, tl.int32)
         NSPLIT: tl.constexpr = 2 if EXP_MODE == 1 else 1
@@ -273,17 +275,17 @@ def _fsattn_fwd_kernel(
             acc_o, l_acc, shift = _online_pass(
                 q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_ptr, w_base, bias_ptr, bias_base,
                 n_tiles, s_pad, HAS_BIAS, K_PER_TOKEN, PV_FP32, ROWSUM_MMA, BLOCK_M, BLOCK_N, D_PAD,
-                ROWSUM_COLS, L_COLS, SOFT_ROUND)
+                ROWSUM_COLS, SOFT_ROUND)
         if redo + rescaled > 0:
             tl.atomic_add(fallback_ptr, 1)
     else:
         acc_o, l_acc, shift = _online_pass(
             q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_ptr, w_base, bias_ptr, bias_base,
             n_tiles, s_pad, HAS_BIAS, K_PER_TOKEN, PV_FP32, ROWSUM_MMA, BLOCK_M, BLOCK_N, D_PAD,
-            ROWSUM_COLS, L_COLS, SOFT_ROUND)
+            ROWSUM_COLS, SOFT_ROUND)
 
     # --- epilogue: normalise, undo V's scale and mean, write O and the natural-log LSE ----------
-    l = tl.sum(l_acc, 1)  # only column 0 of the row-sum GEMM is non-zero
+    l = l_acc
     attended = l > 0.0
     inv_l = tl.where(attended, 1.0 / tl.where(attended, l, 1.0), 0.0)
     v_scale = tl.load(v_scale_ptr + stat_base + rd)
@@ -291,7 +293,8 @@ def _fsattn_fwd_kernel(
     o = acc_o * inv_l[:, None] * v_scale[None, :] + tl.where(attended, 1.0, 0.0)[:, None] * v_mean[None, :]
     tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_os + h * stride_oh + rd[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
-    lse = tl.where(attended, (shift + tl.log2(tl.where(attended, l, 1.0))) * LN2 + q_dot_kmean, float("-inf"))
+    lse = tl.where(attended, (shift + tl.log2(tl.where(attended, l, 1.0))) * LN2 + tl.load(qkm_ptr + q_rows),
+                   float("-inf"))
     tl.store(lse_ptr + (b * n_q_heads + h) * seq_q + rows, lse, mask=row_ok)
 
 
@@ -303,7 +306,7 @@ FROZEN_RESCALE = 2  # frozen max; a violation raises the offending rows' max and
 def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen=FROZEN_RESCALE,
                exp_mode=EXP_MODE_SFU, pv_fp32=True, rowsum_mma=True, max_threshold=3.0,
                block_m=128, num_warps=4, num_stages=3):
-    """Launch the forward kernel.
+    """Quantise Q and launch the forward kernel.
 
     Parameters
     ----------
@@ -321,14 +324,15 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
     n_kv_heads = kv.k_q.shape[1]
     d_pad = kv.k_q.shape[3]
     s_pad = kv.k_q.shape[2]
+    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m)
     grid = (triton.cdiv(seq_q, block_m), n_q_heads, bsz)
     _fsattn_fwd_kernel[grid](
-        q, out, lse,
+        qq.q_q, qq.q_scale, qq.q_dot_k_mean, out, lse,
         kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale, kv.v_mean, kv.key_weight,
         bias if bias is not None else kv.k_scale, fallback_counter,
-        seq_q, head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad, float(sm_scale),
+        seq_q, qq.q_q.shape[2], head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
         float(max_threshold),
-        *q.stride(), *out.stride(),
+        *out.stride(),
         kv.key_weight.stride(0) if kv.key_weight.shape[0] > 1 else 0,
         (bias.stride(0) if bias.shape[0] > 1 else 0) if bias is not None else 0,
         FROZEN=frozen, EXP_MODE=exp_mode, HAS_BIAS=bias is not None, K_PER_TOKEN=kv.k_per_token,

@@ -58,6 +58,56 @@ def _round_half_away(x):
     return tl.where(x >= 0, x + 0.5, x - 0.5)
 
 
+@dataclass
+class QuantizedQ:
+    q_q: torch.Tensor  # int8 (B, Hq, Sq_pad, D_pad), softmax scale and log2(e) folded in
+    q_scale: torch.Tensor  # fp32 (B, Hq, Sq_pad): one per token
+    q_dot_k_mean: torch.Tensor  # fp32 (B, Hq, Sq_pad): sm_scale * q . k_mean, for the LSE
+
+
+@triton.jit
+def _quantize_q_kernel(
+    q_ptr, k_mean_ptr, qq_ptr, qs_ptr, qkm_ptr,
+    seq_len, head_dim, n_heads, group, q_pad, sm_scale,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, SOFT_ROUND: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, D_PAD)
+    in_bounds = (rows < seq_len)[:, None] & (cols < head_dim)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + cols[None, :] * stride_qd,
+                mask=in_bounds, other=0.0).to(tl.float32)
+    k_mean = tl.load(k_mean_ptr + (b * (n_heads // group) + h // group) * D_PAD + cols)
+    q_log2 = q * (sm_scale * 1.4426950408889634)
+    amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
+    out_rows = (b * n_heads + h) * q_pad + rows
+    tl.store(qq_ptr + out_rows[:, None] * D_PAD + cols[None, :],
+             _round_half_away(q_log2 * (127.0 / amax)[:, None]).to(tl.int8))
+    tl.store(qs_ptr + out_rows, amax / 127.0)
+    # Smoothing K shifts every score of a row by sm_scale * q . k_mean; the LSE adds it back.
+    tl.store(qkm_ptr + out_rows, tl.sum(q * k_mean[None, :], 1) * sm_scale)
+
+
+def quantize_q(q, k_mean, *, sm_scale, block_m) -> QuantizedQ:
+    """INT8 Q, one scale per token, padded to whole tiles of `block_m` rows; `q` (B, Sq, Hq, D) any strides."""
+    bsz, seq_len, heads, dim = q.shape
+    d_pad = k_mean.shape[-1]
+    q_pad = triton.cdiv(seq_len, block_m) * block_m
+    q_q = torch.empty(bsz, heads, q_pad, d_pad, dtype=torch.int8, device=q.device)
+    q_scale = torch.empty(bsz, heads, q_pad, dtype=torch.float32, device=q.device)
+    q_dot_k_mean = torch.empty_like(q_scale)
+    _quantize_q_kernel[(q_pad // block_m, heads, bsz)](
+        q, k_mean, q_q, q_scale, q_dot_k_mean,
+        seq_len, dim, heads, heads // k_mean.shape[1], q_pad, float(sm_scale),
+        *q.stride(),
+        BLOCK_M=block_m, D_PAD=d_pad, SOFT_ROUND=INTERPRETER, num_warps=4,
+    )
+    return QuantizedQ(q_q, q_scale, q_dot_k_mean)
+
+
 @triton.jit
 def _quantize_kv_kernel(
     k_ptr, v_ptr, w_ptr,
