@@ -90,12 +90,12 @@ class FSAttnConfig:
     smooth_k: bool = True
     pv_format: str = "fp8_e4m3"
     smooth_v: bool | None = None
-    max_policy: str = "sampled"
+    max_policy: str = "online"
     on_violation: str = "rescale"
     max_threshold: float = 3.0
     exp_offload: float = 0.0
     rowsum: str = "mma"
-    pv_accum: str = "fp32"
+    pv_accum: str = "hw"
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None

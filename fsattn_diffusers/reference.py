@@ -115,16 +115,23 @@ def _quantize_k(k, key_weight, config, block_n):
 
 
 def _pack_v(v, key_weight, config, low):
-    """V as the PV product sees it: FP8 per channel (optionally centred) or 16-bit as is."""
+    """V as the PV product sees it (FP8 per channel, optionally centred, or 16-bit as is), its
+    per-channel scale, and the mean the epilogue adds back, less the mean rounding error of V
+    over the attended keys (kernels/quantize.py says why)."""
     keep = key_weight[:, None, :, None] != 0
+    zeros = torch.zeros_like(v[:, :, 0])
     if config.pv_format != "fp8_e4m3":
-        zeros = torch.zeros_like(v[:, :, 0])
-        return low(torch.where(keep, v, 0.0)), torch.ones_like(zeros), zeros
-    v_mean = _masked_mean(v, key_weight) if config.smooths_v else torch.zeros_like(v[:, :, 0])
-    amax = torch.maximum(v.amax(2) - v_mean, v_mean - v.amin(2)).clamp_min(1e-20)
-    v_scale = amax / FP8_MAX
-    v8 = to_fp8(torch.where(keep, v - v_mean[:, :, None], 0.0) * (1.0 / v_scale)[:, :, None])
-    return v8, v_scale, v_mean
+        v_scale, v_mean = torch.ones_like(zeros), zeros
+    else:
+        v_mean = _masked_mean(v, key_weight) if config.smooths_v else zeros
+        amax = torch.maximum(v.amax(2) - v_mean, v_mean - v.amin(2)).clamp_min(1e-20)
+        v_scale = amax / FP8_MAX
+    v_scaled = torch.where(keep, v - v_mean[:, :, None], 0.0) * (1.0 / v_scale)[:, :, None]
+    if config.pv_format == "fp8_e4m3":
+        v_scaled = v_scaled.clamp(-FP8_MAX, FP8_MAX)
+    v_low = low(v_scaled)
+    v_err = (v_low - v_scaled).sum(2) / key_weight.sum(1).clamp_min(1.0)[:, None, None]
+    return v_low, v_scale, v_mean - v_err * v_scale
 
 
 def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_n: int,

@@ -64,10 +64,11 @@ def _round_half_away(x):
 
 
 @triton.jit
-def _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, offset, bias_ptr, bias_base,
-            MULT: tl.constexpr, HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
-            BLOCK_M: tl.constexpr, KEYS: tl.constexpr, D_PAD: tl.constexpr):
-    """`MULT * (log2-domain score) + offset` for KEYS keys from `key_off` (MULT is 1, or 8 for the bit exp)."""
+def _prescores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off,
+               K_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, KEYS: tl.constexpr, D_PAD: tl.constexpr):
+    """Scores of KEYS keys from `key_off` as (pre, row_scale, row_offset), with the log2-domain score
+    equal to ``pre * row_scale + row_offset`` and row_scale > 0: a row max of `pre` is a row max of
+    the scores, and the final subtraction can ride in the same FMA as the dequantisation."""
     rk = key_off + tl.arange(0, KEYS)
     rd = tl.arange(0, D_PAD)
     k8 = tl.load(kq_ptr + kq_base + rk[:, None] * D_PAD + rd[None, :])
@@ -75,16 +76,24 @@ def _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, offset, bia
     acc = tl.dot(q8, tl.trans(k8), acc=acc, out_dtype=tl.int32)
     acc_f = acc.to(tl.float32, bitcast=True)  # == MAGIC_FLOAT + acc, exactly
     if K_PER_TOKEN:
-        # Two FMAs per score: the key scale (with the magic offset folded into a per-key addend),
-        # then the query scale and the row offset.
+        # The key scale, with the magic offset folded into a per-key addend: one FMA.
         ks = tl.load(ks_ptr + ks_base + rk)
-        scaled = acc_f * ks[None, :] - (ks * MAGIC_FLOAT)[None, :]
-        x = scaled * (qs * MULT)[:, None] + offset[:, None]
-    else:
-        c = qs * (MULT * tl.load(ks_ptr + ks_base + tile))
-        x = acc_f * c[:, None] + (offset - MAGIC_FLOAT * c)[:, None]
+        pre = acc_f * ks[None, :] - (ks * MAGIC_FLOAT)[None, :]
+        return pre, qs, tl.zeros_like(qs)
+    c = qs * tl.load(ks_ptr + ks_base + tile)
+    return acc_f, c, -(c * MAGIC_FLOAT)
+
+
+@triton.jit
+def _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off, offset, bias_ptr, bias_base,
+            MULT: tl.constexpr, HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
+            BLOCK_M: tl.constexpr, KEYS: tl.constexpr, D_PAD: tl.constexpr):
+    """`MULT * (log2-domain score) + offset` for KEYS keys from `key_off` (MULT is 1, or 8 for the bit exp)."""
+    pre, row_scale, row_offset = _prescores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off,
+                                            K_PER_TOKEN, BLOCK_M, KEYS, D_PAD)
+    x = pre * (MULT * row_scale)[:, None] + (MULT * row_offset + offset)[:, None]
     if HAS_BIAS:
-        x += MULT * tl.load(bias_ptr + bias_base + rk)[None, :]
+        x += MULT * tl.load(bias_ptr + bias_base + key_off + tl.arange(0, KEYS))[None, :]
     return x
 
 
@@ -191,16 +200,25 @@ def _online_pass(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_pt
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     zero = tl.zeros((BLOCK_M,), tl.float32)
     for tile in range(0, n_tiles):
-        x = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, tile * BLOCK_N, zero, bias_ptr, bias_base,
-                    1.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, BLOCK_N, D_PAD)
-        m_new = tl.maximum(m, tl.max(x, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 away from NaN
+        if HAS_BIAS:
+            x = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, tile * BLOCK_N, zero, bias_ptr,
+                        bias_base, 1.0, HAS_BIAS, K_PER_TOKEN, BLOCK_M, BLOCK_N, D_PAD)
+            m_new = tl.maximum(m, tl.max(x, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 away from NaN
+            p = tl.math.exp2(x - m_use[:, None] + 8.0)
+        else:
+            # Max of the undequantised scores, then one FMA gives s - m + 8 (no separate subtraction).
+            pre, row_scale, row_offset = _prescores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile,
+                                                    tile * BLOCK_N, K_PER_TOKEN, BLOCK_M, BLOCK_N, D_PAD)
+            m_new = tl.maximum(m, tl.max(pre, 1) * row_scale + row_offset)
+            m_use = m_new
+            p = tl.math.exp2(pre * row_scale[:, None] + (row_offset + 8.0 - m_use)[:, None])
         alpha = tl.math.exp2(m - m_use)
-        p = tl.math.exp2(x - m_use[:, None] + 8.0)
         acc_o = acc_o * alpha[:, None]
         l_acc = l_acc * alpha
-        acc_o, l_acc = _pv_and_rowsum(to_low_precision(p, PV_DTYPE, SOFT_ROUND), p, vt_ptr, vt_base, w_ptr, w_base, tile * BLOCK_N,
-                                      s_pad, acc_o, l_acc, PV_FP32, ROWSUM_MMA, BLOCK_M, BLOCK_N, D_PAD, ROWSUM_COLS, SOFT_ROUND)
+        acc_o, l_acc = _pv_and_rowsum(to_low_precision(p, PV_DTYPE, SOFT_ROUND), p, vt_ptr, vt_base, w_ptr,
+                                      w_base, tile * BLOCK_N, s_pad, acc_o, l_acc, PV_FP32, ROWSUM_MMA, BLOCK_M,
+                                      BLOCK_N, D_PAD, ROWSUM_COLS, SOFT_ROUND)
         m = m_new
     shift = tl.where(m == float("-inf"), 0.0, m) - 8.0
     return acc_o, l_acc, shift

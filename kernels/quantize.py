@@ -112,7 +112,7 @@ def quantize_q(q, k_mean, *, sm_scale, block_m) -> QuantizedQ:
 def _quantize_kv_kernel(
     k_ptr, v_ptr, w_ptr,
     k_mean_ptr, v_mean_ptr, v_inv_scale_ptr,
-    kq_ptr, k_scale_ptr, vt_ptr,
+    kq_ptr, k_scale_ptr, vt_ptr, v_err_ptr,
     seq_len, head_dim, n_kv_heads,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -165,7 +165,13 @@ def _quantize_kv_kernel(
     else:
         v = tl.where(keep & in_bounds, v, 0.0)
     vt_offs = (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + rows[:, None]
-    tl.store(vt_ptr + vt_offs, to_low_precision(v, vt_ptr.dtype.element_ty, SOFT_ROUND))
+    v_low = to_low_precision(v, vt_ptr.dtype.element_ty, SOFT_ROUND)
+    tl.store(vt_ptr + vt_offs, v_low)
+    # The rounding error summed over this tile's keys, per channel (in scaled units). Rounding a
+    # fixed set of values is biased by a tiny constant per channel; an attention output that
+    # averages thousands of keys is as small as that bias (ANCHORS: cos 0.9988 at S = 32760),
+    # so the pre-pass subtracts its mean from the V mean the epilogue adds back.
+    tl.atomic_add(v_err_ptr + stats_off, tl.sum(v_low.to(tl.float32) - v, 0), sem="relaxed")
 
 
 def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
@@ -228,11 +234,12 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     k_q = torch.empty(bsz, heads, s_pad, d_pad, dtype=torch.int8, device=dev)
     k_scale = torch.empty(bsz, heads, s_pad if k_per_token else n_tiles, dtype=torch.float32, device=dev)
     v_t = torch.empty(bsz, heads, d_pad, s_pad, dtype=v_dtype, device=dev)
+    v_err = torch.zeros(bsz, heads, d_pad, dtype=torch.float32, device=dev)
     w_arg = key_weight if key_weight is not None else k_scale  # unused pointer when no weight
     _quantize_kv_kernel[(n_tiles, bsz * heads)](
         k, v, w_arg,
         k_mean, v_mean, v_inv_scale,
-        k_q, k_scale, v_t,
+        k_q, k_scale, v_t, v_err,
         seq_len, dim, heads,
         *k.stride(), *v.stride(),
         key_weight.stride(0) if key_weight is not None else 0,
@@ -246,6 +253,9 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
         D_PAD=d_pad,
         num_warps=4,
     )
+
+    n_attended = key_weight.sum(1) if key_weight is not None else torch.full((bsz,), float(seq_len), device=dev)
+    v_mean = v_mean - v_err / n_attended.clamp_min(1.0)[:, None, None] * v_scale
 
     # The row-sum GEMM's B operand, stored (ROWSUM_COLS, S_pad) so that it is K-major.
     w_rows = 1 if key_weight is None else bsz

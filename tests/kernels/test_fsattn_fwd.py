@@ -44,13 +44,13 @@ def _emulate(q, k, v, mask, cfg, layout="NHD", scale=None):
 # (name, config): each variant of the kernel's constexpr flags that a config can reach.
 VARIANTS = [
     ("default", FSAttnConfig()),
-    ("recompute", FSAttnConfig(on_violation="recompute")),
-    ("online", FSAttnConfig(max_policy="online")),
+    ("sampled_rescale", FSAttnConfig(max_policy="sampled")),
+    ("sampled_recompute", FSAttnConfig(max_policy="sampled", on_violation="recompute")),
     ("pv16", FSAttnConfig(pv_format="16bit")),
-    ("exp_half", FSAttnConfig(exp_offload=0.5)),
-    ("exp_bits", FSAttnConfig(exp_offload=1.0)),
+    ("exp_half", FSAttnConfig(max_policy="sampled", exp_offload=0.5)),
+    ("exp_bits", FSAttnConfig(max_policy="sampled", exp_offload=1.0)),
     ("k_block", FSAttnConfig(k_granularity="block")),
-    ("fma_rowsum_hw_acc", FSAttnConfig(rowsum="fma", pv_accum="hw")),
+    ("fma_rowsum_fp32_acc", FSAttnConfig(rowsum="fma", pv_accum="fp32")),
 ]
 
 
@@ -168,6 +168,13 @@ def test_gpu_families_against_float64_and_emulation(family, head_dim):
     assert rel_l1(out, emu) < 5e-3, "the GPU kernel and its emulation disagree"
     attended = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), attended)
+    # The speculative (sampled) max, off by default, must catch every violation on the GPU too.
+    sampled = FSAttnConfig(max_policy="sampled")
+    reset_stats()
+    out_sampled = fsattn(q, k, v, attn_mask=mask, config=sampled)
+    assert torch.isfinite(out_sampled).all() and cosine(out_sampled, ref) >= min_cos
+    emu_s, _, emu_s_fallbacks = _emulate(q, k, v, mask, sampled)
+    assert rel_l1(out_sampled, emu_s) < 5e-3
     if family in ("late_sink", "max_staircase", "underflow"):
         assert stats()["fallback_q_tiles"] > 0
 

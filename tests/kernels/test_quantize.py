@@ -56,7 +56,8 @@ def test_forward_writes_every_output_element():
     fsattn_fwd(q, kv, out, lse, counter, sm_scale=0.125, frozen=FROZEN_RESCALE, block_m=16, num_warps=4,
                num_stages=1)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    emu, emu_lse, _ = emulate_fsattn(q, k, v, scale=0.125, config=FSAttnConfig(), block_m=16, block_n=32)
+    emu, emu_lse, _ = emulate_fsattn(q, k, v, scale=0.125, config=FSAttnConfig(max_policy="sampled"), block_m=16,
+                                     block_n=32)
     # FP8 roundings of P may flip where kernel and emulation round a score differently (1 ulp).
     assert (out - emu).abs().sum() / emu.abs().sum() < 2e-3
     torch.testing.assert_close(lse, emu_lse, rtol=1e-5, atol=5e-3)

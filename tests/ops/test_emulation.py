@@ -12,7 +12,7 @@ from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats
 from fsattn_diffusers.adversarial import FAMILIES, make_family
 from fsattn_diffusers.reference import attention_reference
 
-# family -> (min cosine, max relative L1) for (default config, FP8 PV, 16-bit PV).
+# family -> (min cosine, max relative L1), for every config below.
 BOUNDS = {
     "randn": (0.999, 0.04),
     "peaky": (0.999, 0.04),
@@ -22,7 +22,11 @@ BOUNDS = {
     "masked_keys": (0.995, 0.06),
     "fully_masked": (0.995, 0.06),
 }
-CONFIGS = {"fp8": FSAttnConfig(pv_format="fp8_e4m3"), "pv16": FSAttnConfig(pv_format="16bit")}
+CONFIGS = {
+    "default": FSAttnConfig(),
+    "sampled_max": FSAttnConfig(max_policy="sampled"),
+    "pv16": FSAttnConfig(pv_format="16bit"),
+}
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
@@ -38,7 +42,7 @@ def test_emulation_accuracy_bounds(family, head_dim, config_name):
     assert torch.isfinite(out).all()
     assert cosine(out, ref) >= min_cos, cosine(out, ref)
     assert rel_l1(out, ref) <= max_l1, rel_l1(out, ref)
-    if family in ("late_sink", "max_staircase", "underflow"):
+    if family in ("late_sink", "max_staircase", "underflow") and config_name == "sampled_max":
         assert stats()["fallback_q_tiles"] > 0, "the speculative max must fail on this family"
     if family == "fully_masked":
         assert out[0].abs().max() == 0
@@ -54,15 +58,25 @@ def test_sixteen_bit_pv_is_more_accurate_than_fp8():
     q, k, v, _ = make_family("randn", 1, 1024, 1024, 2, 64, generator=torch.Generator().manual_seed(3))
     ref, _ = attention_reference(q, k, v)
     err = {name: rel_l1(fsattn(q, k, v, config=cfg), ref) for name, cfg in CONFIGS.items()}
-    assert err["pv16"] < 0.5 * err["fp8"]
+    assert err["pv16"] < 0.5 * err["default"]
 
 
 def test_violation_strategies_agree_closely():
     # Every strategy handles violations exactly; they differ only in which max P was scaled against,
     # i.e. in FP8 rounding.
     q, k, v, _ = make_family("max_staircase", 1, 1500, 1500, 2, 64, generator=torch.Generator().manual_seed(4))
-    a = fsattn(q, k, v, config=FSAttnConfig(on_violation="rescale"))
-    b = fsattn(q, k, v, config=FSAttnConfig(on_violation="recompute"))
+    a = fsattn(q, k, v, config=FSAttnConfig(max_policy="sampled", on_violation="rescale"))
+    b = fsattn(q, k, v, config=FSAttnConfig(max_policy="sampled", on_violation="recompute"))
     c = fsattn(q, k, v, config=FSAttnConfig(max_policy="online"))
     assert rel_l1(a, c) < 0.05 and rel_l1(b, c) < 0.05
     assert rel_l1(a, b) > 0, "the strategies ran the same code"
+
+
+def test_block_k_scales_cost_accuracy_on_peaky_scores():
+    # One K scale per tile is faster (one FMA per score instead of two) but misses the op issue's
+    # cosine bound on peaky scores; that is why per-key scales are the default.
+    q, k, v, _ = make_family("peaky", 1, 2048, 2048, 2, 128, generator=torch.Generator().manual_seed(5))
+    ref, _ = attention_reference(q, k, v)
+    per_key = fsattn(q, k, v)
+    per_block = fsattn(q, k, v, config=FSAttnConfig(k_granularity="block"))
+    assert rel_l1(per_key, ref) < rel_l1(per_block, ref) < 0.05

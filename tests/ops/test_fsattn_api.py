@@ -135,7 +135,7 @@ def test_stats_count_calls_and_fallbacks():
     reset_stats()
     q, k, v = _qkv(s=700)  # 6 key tiles of 128: the frozen max runs
     k[:, 650] = q[:, 0] * 20  # a late sink for query 0
-    fsattn(q, k, v)
+    fsattn(q, k, v, config=FSAttnConfig(max_policy="sampled"))
     s = stats()
     assert s["calls"] == {"emulation": 1}
     assert s["q_tiles"] == 2 * 6  # 2 heads x ceil(700 / 128) query tiles
