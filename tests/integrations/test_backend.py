@@ -1,0 +1,208 @@
+"""The "fsattn" backend in diffusers' attention registry, and the per-call fallback policy."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fsattn_diffusers
+from fsattn_diffusers import FSAttnConfig, UnsupportedInputError, fsattn, register_fsattn_backend
+from fsattn_diffusers import diffusers_backend
+from fsattn_diffusers.diffusers_backend import add_enum_member
+from fsattn_diffusers.reference import attention_reference
+
+from .conftest import BUILDERS, make_peaky, run
+
+
+@pytest.fixture
+def backend():
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    # model.set_attention_backend() also sets diffusers' process-wide active backend, which
+    # reset_attention_backend() leaves as it is: restore it for the tests that follow.
+    active = _AttentionBackendRegistry._active_backend
+    member = register_fsattn_backend()
+    yield member
+    _AttentionBackendRegistry._active_backend = active
+    register_fsattn_backend()  # back to the default options
+
+
+def test_registration_is_idempotent_and_visible_to_every_diffusers_lookup(backend):
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    n_members = len(AttentionBackendName)
+    again = register_fsattn_backend()
+    assert again is backend
+    assert len(AttentionBackendName) == n_members  # no second member
+    assert AttentionBackendName("fsattn") is backend
+    assert AttentionBackendName.FSATTN is backend
+    assert backend == "fsattn" and backend.value == "fsattn"
+    assert "fsattn" in {m.value for m in AttentionBackendName.__members__.values()}
+    assert backend in list(AttentionBackendName)
+    assert "fsattn" in _AttentionBackendRegistry._backends  # what `attention_backend("fsattn")` checks
+    assert _AttentionBackendRegistry._backends[backend] is diffusers_backend._fsattn_attention
+    # every argument dispatch_attention_fn passes, so none is dropped
+    assert _AttentionBackendRegistry._supported_arg_names[backend] == {
+        "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "_parallel_config"}
+    assert not _AttentionBackendRegistry._is_context_parallel_available(backend)
+    assert pickle.loads(pickle.dumps(backend)) is backend
+    assert copy.deepcopy(backend) is backend
+
+
+def test_add_enum_member_on_a_closed_str_enum():
+    class Colour(str, enum.Enum):
+        RED = "red"
+
+    green = add_enum_member(Colour, "green")
+    assert add_enum_member(Colour, "green") is green
+    assert Colour("green") is green and Colour.GREEN is green and Colour["GREEN"] is green
+    assert list(Colour) == [Colour.RED, green] and len(Colour) == 2
+    assert isinstance(green, Colour) and isinstance(green, str) and green == "green"
+    assert green.name == "GREEN" and green.value == "green"
+    assert {green: 1}["green"] == 1  # hashes as its value, as diffusers' dict lookups need
+
+
+def test_registration_refuses_to_replace_another_backend_named_fsattn(backend):
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    ours = _AttentionBackendRegistry._backends[backend]
+    _AttentionBackendRegistry._backends[backend] = lambda query, key, value: query
+    try:
+        with pytest.raises(RuntimeError, match="not fsattn-diffusers'"):
+            register_fsattn_backend()
+    finally:
+        _AttentionBackendRegistry._backends[backend] = ours
+
+
+def test_set_attention_backend_and_context_manager_give_the_processor_output(backend):
+    from diffusers.models.attention_dispatch import attention_backend
+
+    from fsattn_diffusers import remove_fsattn
+
+    model, inputs = BUILDERS["wan_t2v"]()
+    make_peaky(model)
+    reference = run(model, inputs)
+    model.set_attn_processor(fsattn_diffusers.FSAttnProcessor())
+    one_liner = run(model, inputs)
+    remove_fsattn(model)
+
+    model.set_attention_backend("fsattn")
+    assert torch.equal(run(model, inputs), one_liner)
+    model.set_attention_backend("native")
+    assert torch.equal(run(model, inputs), reference)
+    model.reset_attention_backend()
+    with attention_backend("fsattn"):
+        assert torch.equal(run(model, inputs), one_liner)
+    assert torch.equal(run(model, inputs), reference)
+
+
+@pytest.mark.parametrize("family", ["hunyuan_video", "ltx_video"])
+def test_backend_name_matches_one_liner_on_masked_families(backend, family):
+    from fsattn_diffusers import remove_fsattn
+
+    model, inputs = BUILDERS[family]()
+    make_peaky(model)
+    model.set_attn_processor(fsattn_diffusers.FSAttnProcessor())
+    one_liner = run(model, inputs)
+    remove_fsattn(model)
+    model.set_attention_backend("fsattn")
+    assert torch.equal(run(model, inputs), one_liner)
+    model.reset_attention_backend()
+
+
+def _dispatch(*args, **kwargs):
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    return dispatch_attention_fn(*args, backend=kwargs.pop("backend"), **kwargs)
+
+
+def _qkv(heads=2, dim=32, seq=40, batch=2, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, seq, heads, dim, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def test_backend_runs_fsattn_with_a_key_padding_mask(backend):
+    q, k, v = _qkv()
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 25:] = False
+    out = _dispatch(q, k, v, attn_mask=mask, backend=backend)  # 2-D: (batch, keys), diffusers' convention
+    expected = fsattn(q, k, v, attn_mask=mask[:, None, None, :])
+    assert torch.equal(out, expected)
+    assert fsattn_diffusers.stats()["sdpa_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("case, reason", [
+    (dict(is_causal=True), "is_causal"),
+    (dict(dropout_p=0.25), "dropout"),
+    (dict(attn_mask=torch.ones(40, 40, dtype=torch.bool).tril()), "general_mask"),
+    (dict(head_dim=160), "head_dim"),
+])
+def test_backend_falls_back_to_native_sdpa_once_logged_and_counted(backend, caplog, case, reason):
+    case = dict(case)
+    q, k, v = _qkv(dim=case.pop("head_dim", 32))
+    torch.manual_seed(1)
+    native = _dispatch(q, k, v, backend="native", **case)
+    with caplog.at_level(logging.WARNING, logger="fsattn_diffusers"):
+        torch.manual_seed(1)  # dropout draws the same mask
+        out = _dispatch(q, k, v, backend=backend, **case)
+        _dispatch(q, k, v, backend=backend, **case)
+    assert torch.equal(out, native)
+    assert fsattn_diffusers.stats()["sdpa_fallbacks"] == {reason: 2}
+    lines = [r.getMessage() for r in caplog.records if f"reason: {reason}" in r.getMessage()]
+    assert len(lines) == 1 and "attention backend 'fsattn'" in lines[0]
+
+
+def test_strict_backend_raises_instead_of_falling_back():
+    member = register_fsattn_backend(strict=True)
+    try:
+        q, k, v = _qkv()
+        with pytest.raises(UnsupportedInputError, match="strict=True") as err:
+            _dispatch(q, k, v, is_causal=True, backend=member)
+        assert err.value.reason == "is_causal"
+        assert fsattn_diffusers.stats()["sdpa_fallbacks"] == {}
+    finally:
+        register_fsattn_backend()
+
+
+def test_backend_runs_with_the_registered_config():
+    q, k, v = _qkv()
+    config = FSAttnConfig(pv_format="16bit")
+    member = register_fsattn_backend(config=config)
+    try:
+        out = _dispatch(q, k, v, backend=member)
+    finally:
+        register_fsattn_backend()
+    assert torch.equal(out, fsattn(q, k, v, config=config))
+    assert not torch.equal(out, fsattn(q, k, v))
+
+
+def test_registration_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="config must be an FSAttnConfig"):
+        register_fsattn_backend(config={"pv_format": "16bit"})
+    with pytest.raises(TypeError, match="strict must be a bool"):
+        register_fsattn_backend(strict="yes")
+
+
+def test_context_parallel_forward_op_returns_out_and_lse_in_ring_attention_layout():
+    q, k, v = _qkv(seq=70)
+    out, lse = diffusers_backend._fsattn_forward_op(None, q, k, v, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v)  # ref_lse: (B, H, S)
+    assert out.shape == q.shape and lse.shape == (2, 70, 2) and lse.dtype == torch.float32
+    assert torch.allclose(lse.double(), ref_lse.permute(0, 2, 1), atol=2e-2)
+    assert F.cosine_similarity(out.double().flatten(), ref_out.flatten(), dim=0) > 0.999
+
+
+def test_backend_passes_diffusers_own_checks_when_enabled(backend, monkeypatch):
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    monkeypatch.setattr(_AttentionBackendRegistry, "_checks_enabled", True)
+    q, k, v = _qkv()
+    assert torch.equal(_dispatch(q, k, v, backend=backend), fsattn(q, k, v))
+    with pytest.raises(ValueError, match="same device|same dtype"):
+        _dispatch(q, k.double(), v, backend=backend)
