@@ -1,0 +1,539 @@
+#!/usr/bin/env python
+"""Generate a video with a Wan or HunyuanVideo diffusers pipeline, attention through fsattn or SDPA.
+
+    python examples/generate_video.py                   # built-in `tiny` (random weights), CPU-sized
+    python examples/generate_video.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "A cat surfing"
+    python examples/generate_video.py --model wan2.1-t2v-1.3b --steps 10 --no-decode   # GPU timing
+
+``--model`` is a built-in name (fsattn_diffusers.builtin_models: tiny, wan2.1-t2v-1.3b,
+wan2.1-t2v-14b, hunyuanvideo; random weights, nothing downloaded) or a hub id / local folder of a
+Wan or HunyuanVideo diffusers pipeline (``DiffusionPipeline.from_pretrained``). At the end it
+prints the time per step and in total, the attention backend, fsattn's speculative-max
+fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import fsattn_diffusers
+from fsattn_diffusers import builtin_models
+from fsattn_diffusers.config import FSAttnConfig
+from fsattn_diffusers.metrics import to_uint8
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- arguments
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block indices such as '0,1,29', got {text!r}")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The options that pick the pipeline, the video and the machine (shared with ab_compare.py)."""
+    names = ", ".join(builtin_models.BUILTIN_MODELS)
+    parser.add_argument("--model", default="tiny",
+                        help=f"built-in architecture ({names}; random weights) or a hub id / local path of a Wan or "
+                             "HunyuanVideo diffusers pipeline (default: tiny)")
+    parser.add_argument("--prompt", default="A red panda surfing a wave at sunset, cinematic")
+    parser.add_argument("--negative-prompt", default=None, help="Wan only (HunyuanVideo uses embedded guidance)")
+    parser.add_argument("--height", type=_positive_int, default=None, help="default: the model's (tiny: 256)")
+    parser.add_argument("--width", type=_positive_int, default=None, help="default: the model's (tiny: 256)")
+    parser.add_argument("--num-frames", type=_positive_int, default=None,
+                        help="a multiple of 4 plus 1 (the VAE packs 4 frames per latent); default: the model's")
+    parser.add_argument("--steps", type=_positive_int, default=None, help="denoising steps; default: the model's")
+    parser.add_argument("--guidance-scale", type=float, default=None, help="default: the model's (Wan 5.0, Hunyuan 6.0)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fps", type=_positive_int, default=None, help="of the written mp4 (Wan 16, Hunyuan 24)")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                        help="of the transformer and text encoder; default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the transformer's repeated blocks (after the attention is set)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="enable_model_cpu_offload: components move to the GPU only while they run")
+    parser.add_argument("--no-decode", action="store_true",
+                        help="stop at the latents (no VAE decode, no mp4): times only the denoising loop")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="untimed denoising steps run first (Triton/cuDNN/compile warm-up); default 1 on cuda, 0 on cpu")
+
+
+def add_fsattn_args(parser: argparse.ArgumentParser) -> None:
+    """apply_fsattn's options."""
+    parser.add_argument("--fsattn-config", default=None,
+                        help="FSAttnConfig fields as JSON, or a path to a JSON file, e.g. '{\"pv_format\": \"16bit\"}'")
+    parser.add_argument("--skip-first-steps", type=int, default=0,
+                        help="run the first N denoising steps with SDPA (they shape the layout of the video)")
+    parser.add_argument("--skip-last-steps", type=int, default=0, help="run the last N steps with SDPA")
+    parser.add_argument("--skip-blocks", type=_int_list, default=(),
+                        help="comma-separated transformer block indices that keep SDPA, e.g. '0,29'")
+    parser.add_argument("--self-attention-only", action="store_true",
+                        help="leave cross-attention (to text) on SDPA")
+    parser.add_argument("--strict", action="store_true",
+                        help="raise instead of falling back to SDPA for attention fsattn cannot take")
+
+
+def parse_fsattn_config(text: str | None) -> FSAttnConfig | None:
+    """``--fsattn-config``: JSON text or a path to a JSON file, to an FSAttnConfig (None: default)."""
+    if not text:
+        return None
+    source = text
+    if os.path.exists(text):
+        with open(text) as f:
+            source = f.read()
+    try:
+        fields = json.loads(source)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--fsattn-config={text!r} is neither a JSON object nor a JSON file: {exc}")
+    if not isinstance(fields, dict):
+        raise SystemExit(f"--fsattn-config must be a JSON object of FSAttnConfig fields, got {fields!r}")
+    try:
+        return FSAttnConfig(**fields)
+    except TypeError as exc:
+        raise SystemExit(f"--fsattn-config={text!r}: {exc}")
+
+
+def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device={device!r} but torch sees no CUDA GPU (torch {torch.__version__})")
+    if dtype is None:
+        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    return dev, _DTYPES[dtype]
+
+
+# ----------------------------------------------------------------------------- the pipeline
+
+@dataclass
+class LoadedModel:
+    pipe: object
+    name: str
+    family: str  # "wan", "hunyuanvideo" or "other"
+    spec: builtin_models.BuiltinModel | None  # set for built-ins
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def random_weights(self) -> bool:
+        return self.spec is not None
+
+    @property
+    def can_decode(self) -> bool:
+        return getattr(self.pipe, "vae", None) is not None
+
+
+def _family_of(pipe) -> str:
+    name = type(pipe).__name__
+    if name.startswith("Wan"):
+        return "wan"
+    if name.startswith("HunyuanVideo"):
+        return "hunyuanvideo"
+    return "other"
+
+
+def load_model(model: str, device: torch.device, dtype: torch.dtype, cpu_offload: bool = False,
+               seed: int = 0) -> LoadedModel:
+    """A built-in (random weights, built in code) or a pipeline from ``from_pretrained``."""
+    build_on = torch.device("cpu") if cpu_offload else device
+    if builtin_models.is_builtin(model):
+        spec = builtin_models.get_builtin(model)
+        pipe = builtin_models.build_pipeline(model, build_on, dtype, seed=seed)
+        loaded = LoadedModel(pipe, model, spec.family, spec, device, dtype)
+    else:
+        import diffusers
+        from diffusers import DiffusionPipeline
+        from packaging.version import Version
+
+        # diffusers 0.42 renamed torch_dtype to dtype (the old name still works, with a warning).
+        dtype_kw = "dtype" if Version(diffusers.__version__).release >= (0, 42) else "torch_dtype"
+        try:
+            pipe = DiffusionPipeline.from_pretrained(model, **{dtype_kw: dtype})
+        except Exception as exc:
+            raise SystemExit(
+                f"--model={model!r} is not a built-in ({', '.join(builtin_models.BUILTIN_MODELS)}) and "
+                f"DiffusionPipeline.from_pretrained failed: {type(exc).__name__}: {exc}") from exc
+        family = _family_of(pipe)
+        if family == "other":
+            print(f"warning: {type(pipe).__name__} is neither a Wan nor a HunyuanVideo pipeline; trying anyway",
+                  file=sys.stderr)
+        if family == "wan" and getattr(pipe, "vae", None) is not None:
+            pipe.vae.to(torch.float32)  # Wan's VAE is run in float32 in Wan's own examples
+        if family == "hunyuanvideo" and getattr(pipe, "vae", None) is not None:
+            pipe.vae.enable_tiling()  # a 720p, 129-frame decode does not fit otherwise
+        if not cpu_offload:
+            pipe.to(device)
+        loaded = LoadedModel(pipe, model, family, None, device, dtype)
+    if cpu_offload:
+        if device.type != "cuda":
+            raise SystemExit(f"--cpu-offload needs a CUDA device, got --device={device}")
+        pipe.enable_model_cpu_offload(device=device)
+    return loaded
+
+
+def set_attention(loaded: LoadedModel, backend: str, config: FSAttnConfig | None = None, **skip) -> str:
+    """Route the transformer's attention to ``backend`` ("sdpa" or "fsattn"); returns a description."""
+    if backend not in ("sdpa", "fsattn"):
+        raise ValueError(f"attention backend {backend!r}; expected 'sdpa' or 'fsattn'")
+    clear_attention(loaded)
+    if backend == "sdpa":
+        return "sdpa (diffusers' default: torch scaled_dot_product_attention)"
+    fsattn_diffusers.apply_fsattn(loaded.pipe, config=config, **skip)
+    return f"fsattn ({describe_config(config)}{describe_skips(skip)})"
+
+
+def clear_attention(loaded: LoadedModel) -> None:
+    """Back to diffusers' own attention (remove_fsattn is harmless where nothing was applied)."""
+    fsattn_diffusers.remove_fsattn(loaded.pipe)
+
+
+def short_label(backend: str, config: FSAttnConfig | None = None) -> str:
+    """"sdpa", "fsattn", or "fsattn[field=value, ...]" for a non-default config (tables, plots)."""
+    if backend != "fsattn" or config is None:
+        return backend
+    text = describe_config(config).removeprefix("config ")
+    return "fsattn" if text == "default" else f"fsattn[{text}]"
+
+
+def describe_config(config: FSAttnConfig | None) -> str:
+    if config is None:
+        return "default config"
+    default = FSAttnConfig()
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(default, f.name)}
+    return "config " + (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "default")
+
+
+def describe_skips(skip: dict) -> str:
+    shown = {k: v for k, v in skip.items() if v}
+    return ("; " + ", ".join(f"{k}={v}" for k, v in shown.items())) if shown else ""
+
+
+def skip_kwargs(args) -> dict:
+    return {"skip_first_steps": args.skip_first_steps, "skip_last_steps": args.skip_last_steps,
+            "skip_blocks": tuple(args.skip_blocks), "self_attention_only": args.self_attention_only,
+            "strict": args.strict}
+
+
+def compile_transformer(loaded: LoadedModel) -> None:
+    transformer = loaded.pipe.transformer
+    if getattr(transformer, "_repeated_blocks", None):
+        transformer.compile_repeated_blocks()  # regional compile: one graph per block class, fast to build
+    else:
+        transformer.compile()
+
+
+@dataclass
+class GenerationSettings:
+    prompt: str
+    negative_prompt: str | None
+    height: int
+    width: int
+    num_frames: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    fps: int
+    decode: bool
+
+
+def resolve_settings(args, loaded: LoadedModel) -> GenerationSettings:
+    """Command-line values, with the model's defaults where none was given."""
+    spec = loaded.spec
+    pipe_defaults = {"wan": (480, 832, 81, 50, 5.0, 16), "hunyuanvideo": (720, 1280, 129, 50, 6.0, 24)}
+    h, w, f, s, g, fps = ((spec.height, spec.width, spec.num_frames, spec.steps, spec.guidance_scale, spec.fps)
+                          if spec else pipe_defaults.get(loaded.family, (480, 832, 81, 50, 5.0, 16)))
+    decode = not args.no_decode
+    if decode and not loaded.can_decode:
+        print(f"note: {loaded.name!r} has no VAE: stopping at the latents (no mp4)", file=sys.stderr)
+        decode = False
+    return GenerationSettings(
+        prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height or h, width=args.width or w,
+        num_frames=args.num_frames or f, steps=args.steps or s,
+        guidance_scale=g if args.guidance_scale is None else args.guidance_scale, seed=args.seed,
+        fps=args.fps or fps, decode=decode)
+
+
+@dataclass
+class RunResult:
+    frames: np.ndarray | None  # uint8 (F, H, W, 3), None without decode
+    latents: torch.Tensor  # the final latents, float32 on the CPU
+    step_seconds: list[float]
+    total_seconds: float
+    prepare_seconds: float  # prompt encoding and latent preparation
+    denoise_seconds: float
+    decode_seconds: float
+    peak_gpu_bytes: int | None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def steady_step_seconds(self) -> float:
+        """Mean time of the steps after the first (which carries one-off warm-up costs)."""
+        tail = self.step_seconds[1:] or self.step_seconds
+        return statistics.fmean(tail)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def call_kwargs(loaded: LoadedModel, settings: GenerationSettings, steps: int, decode: bool) -> dict:
+    """The pipeline call's keyword arguments: a prompt, or random embeddings for built-ins without a text encoder."""
+    device = loaded.device
+    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+    kwargs = dict(height=settings.height, width=settings.width, num_frames=settings.num_frames,
+                  num_inference_steps=steps, guidance_scale=settings.guidance_scale, generator=generator,
+                  output_type="np" if decode else "latent")
+    if loaded.spec is not None and not loaded.spec.has_text_encoder:
+        # Same seed, same embeddings: both runs of an A/B comparison see identical prompts.
+        embed_gen = torch.Generator(device="cpu").manual_seed(settings.seed + 1)
+        kwargs.update(builtin_models.random_prompt_inputs(loaded.name, 1, "cpu", loaded.dtype, embed_gen))
+        kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    else:
+        kwargs["prompt"] = settings.prompt
+        if settings.negative_prompt is not None and loaded.family == "wan":
+            kwargs["negative_prompt"] = settings.negative_prompt
+    return kwargs
+
+
+def run_pipeline(loaded: LoadedModel, settings: GenerationSettings, warmup_steps: int = 0,
+                 desc: str = "denoising") -> RunResult:
+    """One timed generation. Per-step times come from the step-end callback, synchronised."""
+    pipe, device = loaded.pipe, loaded.device
+    # no_grad, as diffusers' own __call__ uses, not inference_mode: tensors born in inference mode
+    # (fsattn's device-side fallback counters) cannot be zeroed by reset_stats() outside it.
+    if warmup_steps > 0:
+        pipe.set_progress_bar_config(desc=f"warm-up ({desc})", leave=False)
+        with torch.no_grad():
+            pipe(**call_kwargs(loaded, settings, warmup_steps, decode=False))
+    fsattn_diffusers.reset_stats()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    marks: dict = {"steps": [], "latents": None}
+
+    def on_first_forward(module, args):
+        if "denoise_start" not in marks:
+            _sync(device)
+            marks["denoise_start"] = time.perf_counter()
+
+    def on_step_end(pipeline, step, timestep, callback_kwargs):
+        _sync(device)
+        marks["steps"].append(time.perf_counter())
+        if step == settings.steps - 1:
+            marks["latents"] = callback_kwargs["latents"].detach().float().cpu()
+        return callback_kwargs
+
+    hook = pipe.transformer.register_forward_pre_hook(on_first_forward)
+    pipe.set_progress_bar_config(desc=desc, leave=True)
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            output = pipe(**call_kwargs(loaded, settings, settings.steps, settings.decode),
+                          callback_on_step_end=on_step_end)
+        _sync(device)
+        end = time.perf_counter()
+    finally:
+        hook.remove()
+    video = output.frames[0]
+    frames = to_uint8(video) if settings.decode else None
+    latents = marks["latents"] if marks["latents"] is not None else torch.as_tensor(video).float().cpu()
+    stamps = [marks.get("denoise_start", start)] + marks["steps"]
+    return RunResult(
+        frames=frames, latents=latents, step_seconds=[b - a for a, b in zip(stamps, stamps[1:])],
+        total_seconds=end - start, prepare_seconds=stamps[0] - start, denoise_seconds=stamps[-1] - stamps[0],
+        decode_seconds=end - stamps[-1],
+        peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        stats=fsattn_diffusers.stats())
+
+
+def write_video(frames: np.ndarray, path: str, fps: int) -> str:
+    """uint8 ``(F, H, W, 3)`` frames to an H.264 mp4 through imageio-ffmpeg.
+
+    Where imageio-ffmpeg is missing (some GPU images carry OpenCV but no ffmpeg), OpenCV's
+    MPEG-4 writer is used instead, with a note.
+    """
+    import imageio.v2 as imageio
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        return _write_video_opencv(frames, path, fps)
+    # macro_block_size=1: keep the exact size (Wan and Hunyuan sizes are multiples of 16 anyway).
+    with imageio.get_writer(path, fps=fps, codec="libx264", quality=8, pixelformat="yuv420p",
+                            macro_block_size=1, ffmpeg_log_level="error") as writer:
+        for frame in frames:
+            writer.append_data(frame)
+    return path
+
+
+def _write_video_opencv(frames: np.ndarray, path: str, fps: int) -> str:
+    try:
+        import cv2
+    except ImportError:
+        raise SystemExit("writing an mp4 needs imageio-ffmpeg (pip install imageio-ffmpeg) or OpenCV; "
+                         "neither is installed (or pass --no-decode to skip the video)") from None
+    print("note: imageio-ffmpeg is not installed; writing the mp4 with OpenCV (MPEG-4 Part 2)", file=sys.stderr)
+    height, width = frames.shape[1:3]
+    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    if not writer.isOpened():
+        raise SystemExit(f"OpenCV could not open {path!r} for writing")
+    for frame in frames:
+        writer.write(frame[..., ::-1].copy())  # OpenCV takes BGR
+    writer.release()
+    return path
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def fallback_line(stats: dict) -> str:
+    tiles, fell = stats.get("q_tiles", 0), stats.get("fallback_q_tiles", 0)
+    share = f" ({100.0 * fell / tiles:.2f} %)" if tiles else ""
+    sdpa = stats.get("sdpa_fallbacks") or {}
+    sdpa_text = ", ".join(f"{k}: {v}" for k, v in sdpa.items()) or "none"
+    calls = ", ".join(f"{k}: {v}" for k, v in (stats.get("calls") or {}).items()) or "none"
+    return f"fsattn calls {calls}; speculative-max fallbacks {fell} of {tiles} query tiles{share}; SDPA fallbacks {sdpa_text}"
+
+
+def format_gib(n: int | None) -> str:
+    return "n/a (not a CUDA run)" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def summary_dict(loaded: LoadedModel, settings: GenerationSettings, attention: str, result: RunResult,
+                 output: str | None) -> dict:
+    steps = result.step_seconds
+    return {
+        "model": loaded.name, "family": loaded.family, "random_weights": loaded.random_weights,
+        "note": builtin_models.RANDOM_WEIGHTS_NOTE.format(name=loaded.name) if loaded.random_weights else None,
+        "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
+        "gpu": torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "height": settings.height, "width": settings.width, "num_frames": settings.num_frames,
+        "steps": settings.steps, "guidance_scale": settings.guidance_scale, "seed": settings.seed,
+        "attention": attention,
+        "step_seconds": steps,
+        "step_seconds_mean": statistics.fmean(steps), "step_seconds_median": statistics.median(steps),
+        "step_seconds_steady_mean": result.steady_step_seconds,
+        "total_seconds": result.total_seconds, "prepare_seconds": result.prepare_seconds,
+        "denoise_seconds": result.denoise_seconds, "decode_seconds": result.decode_seconds,
+        "peak_gpu_bytes": result.peak_gpu_bytes, "fsattn_stats": result.stats,
+        "output": output,
+        "frames_written": None if result.frames is None else int(result.frames.shape[0]),
+    }
+
+
+def print_summary(summary: dict) -> None:
+    steps = summary["step_seconds"]
+    rows = [
+        ("model", summary["model"] + ("  [RANDOM WEIGHTS: the video is noise-like by construction]"
+                                      if summary["random_weights"] else "")),
+        ("video", f"{summary['num_frames']} frames x {summary['height']}x{summary['width']}, {summary['steps']} steps, "
+                  f"guidance {summary['guidance_scale']}, seed {summary['seed']}"),
+        ("device / dtype", f"{summary['device']}{' (' + summary['gpu'] + ')' if summary['gpu'] else ''} / "
+                           f"{summary['dtype']}"),
+        ("attention", summary["attention"]),
+        ("time per step", f"{summary['step_seconds_mean']:.3f} s mean, {summary['step_seconds_median']:.3f} s median, "
+                          f"{summary['step_seconds_steady_mean']:.3f} s after the first (first {steps[0]:.3f} s)"),
+        ("time in total", f"{summary['total_seconds']:.2f} s (prompt + setup {summary['prepare_seconds']:.2f} s, "
+                          f"denoising {summary['denoise_seconds']:.2f} s, decode {summary['decode_seconds']:.2f} s)"),
+        ("fsattn", fallback_line(summary["fsattn_stats"])),
+        ("peak GPU memory", format_gib(summary["peak_gpu_bytes"])),
+        ("output", summary["output"] or "none (latents only: --no-decode or no VAE)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n== generate_video summary ==")
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    if summary["note"]:
+        print("NOTE: " + summary["note"])
+
+
+def json_safe(value):
+    """JSON without NaN/Infinity literals: non-finite floats become the strings 'inf', '-inf', 'nan'."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        return json_safe(value.item())
+    return value
+
+
+def write_json(data: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(json_safe(data), f, indent=2, allow_nan=False)
+
+
+def default_warmup(args, device: torch.device) -> int:
+    if args.warmup_steps is not None:
+        if args.warmup_steps < 0:
+            raise SystemExit(f"--warmup-steps={args.warmup_steps}; expected an integer >= 0")
+        return args.warmup_steps
+    return 1 if device.type == "cuda" else 0
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--attention", choices=("fsattn", "sdpa"), default="fsattn")
+    add_fsattn_args(parser)
+    parser.add_argument("--output", default=None, help="mp4 path (default: outputs/<model>-<attention>.mp4)")
+    parser.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
+    args = parser.parse_args(argv)
+
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    config = parse_fsattn_config(args.fsattn_config)
+    loaded = load_model(args.model, device, dtype, cpu_offload=args.cpu_offload, seed=args.seed)
+    if loaded.random_weights:
+        print("NOTE: " + builtin_models.RANDOM_WEIGHTS_NOTE.format(name=loaded.name), file=sys.stderr)
+    settings = resolve_settings(args, loaded)
+    if args.attention == "fsattn":
+        attention = set_attention(loaded, "fsattn", config, **skip_kwargs(args))
+    else:
+        attention = set_attention(loaded, "sdpa")
+    if args.compile:
+        compile_transformer(loaded)
+    result = run_pipeline(loaded, settings, warmup_steps=default_warmup(args, device),
+                          desc=f"denoising [{args.attention}]")
+    output = None
+    if result.frames is not None:
+        safe_name = os.path.basename(os.path.normpath(args.model)).replace("/", "_")
+        output = write_video(result.frames, args.output or os.path.join("outputs", f"{safe_name}-{args.attention}.mp4"),
+                             settings.fps)
+    summary = summary_dict(loaded, settings, attention, result, output)
+    print_summary(summary)
+    if args.summary_json:
+        write_json(summary, args.summary_json)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""examples/generate_video.py end to end on the built-in `tiny` pipeline (CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "examples")
+# CPU-quick, on the CPU even where a GPU is present: 9 frames (3 latent frames) of 64x96.
+SMALL = ["--device", "cpu", "--height", "64", "--width", "96", "--num-frames", "9"]
+
+
+def test_sdpa_run_writes_the_video_and_a_summary(generate_video, read_video, tmp_path):
+    out, summary_path = tmp_path / "v.mp4", tmp_path / "summary.json"
+    summary = generate_video.main([*SMALL, "--steps", "2", "--attention", "sdpa", "--output", str(out),
+                                   "--summary-json", str(summary_path)])
+    frames = read_video(str(out))
+    assert len(frames) == 9 and frames[0].shape == (64, 96, 3)
+    saved = json.loads(summary_path.read_text())
+    assert saved["output"] == str(out) and saved["frames_written"] == 9
+    assert saved["random_weights"] is True and "noise-like" in saved["note"]
+    assert len(saved["step_seconds"]) == 2 and all(t > 0 for t in saved["step_seconds"])
+    assert saved["total_seconds"] >= saved["denoise_seconds"] > 0
+    assert saved["attention"].startswith("sdpa") and saved["fsattn_stats"]["calls"] == {}
+    assert saved["peak_gpu_bytes"] is None and saved["device"] == "cpu" and saved["dtype"] == "float32"
+    assert summary["step_seconds"] == saved["step_seconds"]
+
+
+def test_command_line_fsattn_run_counts_fsattn_calls_and_prints_the_summary(read_video, tmp_path):
+    out, summary_path = tmp_path / "fs.mp4", tmp_path / "fs.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "generate_video.py"), *SMALL, "--steps", "2",
+         "--attention", "fsattn", "--output", str(out), "--summary-json", str(summary_path)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("time per step", "time in total", "attention", "speculative-max fallbacks", "peak GPU memory",
+                 "RANDOM WEIGHTS"):
+        assert line in proc.stdout
+    assert str(out) in proc.stdout
+    assert len(read_video(str(out))) == 9
+    saved = json.loads(summary_path.read_text())
+    assert saved["attention"].startswith("fsattn")
+    stats = saved["fsattn_stats"]
+    # 2 steps x 2 passes (classifier-free guidance) x 2 blocks x (self + cross) = 16 calls.
+    assert sum(stats["calls"].values()) == 16 and stats["q_tiles"] > 0
+    assert 0 <= stats["fallback_q_tiles"] <= stats["q_tiles"]
+
+
+def test_no_decode_times_the_denoising_loop_only(generate_video, tmp_path):
+    summary = generate_video.main([*SMALL, "--steps", "3", "--attention", "sdpa", "--no-decode",
+                                   "--output", str(tmp_path / "none.mp4")])
+    assert summary["output"] is None and summary["frames_written"] is None
+    assert not (tmp_path / "none.mp4").exists()
+    assert len(summary["step_seconds"]) == 3
+
+
+def test_fsattn_config_json_reaches_the_run(generate_video):
+    config = generate_video.parse_fsattn_config('{"pv_format": "16bit", "max_threshold": 2.0}')
+    assert config.pv_format == "16bit" and config.max_threshold == 2.0
+    assert generate_video.short_label("fsattn", config) == "fsattn[pv_format='16bit', max_threshold=2.0]"
+    assert generate_video.short_label("fsattn", None) == "fsattn"
+
+
+@pytest.mark.parametrize("text,match", [("{not json", "neither a JSON object"), ("[1, 2]", "JSON object"),
+                                        ('{"no_such_field": 1}', "no_such_field")])
+def test_bad_fsattn_config_is_refused_naming_the_option(generate_video, text, match):
+    with pytest.raises(SystemExit, match=match) as info:
+        generate_video.parse_fsattn_config(text)
+    assert "--fsattn-config" in str(info.value)
+
+
+def test_an_unloadable_model_names_the_option_and_the_builtins(generate_video, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        generate_video.main(["--model", str(tmp_path), "--attention", "sdpa"])  # a folder with no pipeline
+    message = str(info.value)
+    assert f"--model={str(tmp_path)!r}" in message and "tiny" in message and "from_pretrained failed" in message
+
+
+def test_bad_numbers_are_refused_by_the_parser(generate_video, capsys):
+    with pytest.raises(SystemExit):
+        generate_video.main(["--steps", "0"])
+    assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_hunyuanvideo_builtin_without_vae_stops_at_latents(generate_video, tmp_path):
+    summary = generate_video.main(["--model", "tiny-hunyuanvideo", "--device", "cpu", "--height", "64",
+                                   "--width", "64", "--num-frames", "5", "--steps", "2", "--attention", "sdpa",
+                                   "--output", str(tmp_path / "h.mp4")])
+    assert summary["family"] == "hunyuanvideo" and summary["output"] is None
+    assert len(summary["step_seconds"]) == 2 and not (tmp_path / "h.mp4").exists()
