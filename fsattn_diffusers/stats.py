@@ -22,7 +22,10 @@ def fallback_counter(device: torch.device) -> torch.Tensor:
     with _lock:
         counter = _device_counters.get(device)
         if counter is None:
-            counter = torch.zeros(1, dtype=torch.int32, device=device)
+            # Made outside inference mode: a tensor born inside it could not be zeroed by a later
+            # reset_stats() outside it ("Inplace update to inference tensor").
+            with torch.inference_mode(False):
+                counter = torch.zeros(1, dtype=torch.int32, device=device)
             _device_counters[device] = counter
         return counter
 

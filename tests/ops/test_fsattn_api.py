@@ -164,3 +164,16 @@ def test_torch_compile_fullgraph_has_no_graph_break():
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v, mask), block(q, k, v, mask))
+
+
+def test_reset_stats_after_a_counter_born_in_inference_mode(monkeypatch):
+    import sys
+
+    stats_module = sys.modules["fsattn_diffusers.stats"]  # the package rebinds `stats` to the function
+
+    monkeypatch.setattr(stats_module, "_device_counters", {})
+    with torch.inference_mode():
+        stats_module.fallback_counter(torch.device("cpu")).add_(3)
+    assert stats()["fallback_q_tiles"] == 3
+    reset_stats()  # raised "Inplace update to inference tensor" when the counter was an inference tensor
+    assert stats()["fallback_q_tiles"] == 0
