@@ -133,12 +133,12 @@ def test_lse_is_natural_log_and_corrected_for_smoothing():
 
 def test_stats_count_calls_and_fallbacks():
     reset_stats()
-    q, k, v = _qkv(s=700)  # 6 key tiles of 128: the frozen max runs
+    q, k, v = _qkv(s=700)  # 6 key tiles of 128 (the H200 tiles the emulation mirrors): the frozen max runs
     k[:, 650] = q[:, 0] * 20  # a late sink for query 0
     fsattn(q, k, v, config=FSAttnConfig(max_policy="sampled"))
     s = stats()
     assert s["calls"] == {"emulation": 1}
-    assert s["q_tiles"] == 2 * 6  # 2 heads x ceil(700 / 128) query tiles
+    assert s["q_tiles"] == 2 * 11  # 2 heads x ceil(700 / 64) query tiles
     assert 1 <= s["fallback_q_tiles"] <= s["q_tiles"]
     reset_stats()
     assert stats()["fallback_q_tiles"] == 0 and stats()["calls"] == {}
