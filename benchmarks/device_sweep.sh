@@ -3,11 +3,7 @@
 # default variant and an ablation of every variant at the fastest tiles. Results land in $OUT.
 #   run from the repo root with carry [".whl"]:  bash benchmarks/device_sweep.sh [shape ...]
 set -uo pipefail
-OUT=${OUT:-/tmp/fsattn-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
 python3 - <<'PY'
 import torch
