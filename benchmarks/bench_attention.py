@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES  # noqa: E402
 
 from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats  # noqa: E402
+from fsattn_diffusers.metrics import cosine_similarity, relative_l1  # noqa: E402
 from fsattn_diffusers.reference import attention_reference  # noqa: E402
 
 # Named fsattn variants: FSAttnConfig fields. Tile overrides: block_m, block_n, num_warps, num_stages.
@@ -136,10 +137,8 @@ def accuracy(out_fn, q, k, v, mask, seed, rows=1024):
     idx = torch.randperm(q.shape[1], device="cuda", generator=gen)[:rows]
     heads = slice(0, 2)
     ref, _ = attention_reference(q[:, idx, heads], k[:, :, heads], v[:, :, heads], mask)
-    o = out[:, idx, heads].double()
-    cos = float(F.cosine_similarity(o.flatten(), ref.flatten(), dim=0))
-    l1 = float((o - ref).abs().sum() / ref.abs().sum())
-    return {"cos": cos, "rel_l1": l1, "finite": bool(torch.isfinite(out).all())}
+    o = out[:, idx, heads]
+    return {"cos": cosine_similarity(o, ref), "rel_l1": relative_l1(o, ref), "finite": bool(torch.isfinite(out).all())}
 
 
 def main():

@@ -9,8 +9,9 @@ import math
 
 import pytest
 import torch
-from helpers import cosine, rel_l1
 
+from fsattn_diffusers.metrics import cosine_similarity as cosine
+from fsattn_diffusers.metrics import relative_l1 as rel_l1
 from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats
 from fsattn_diffusers import ops as fsattn_ops
 from fsattn_diffusers.adversarial import FAMILIES, make_family

@@ -6,8 +6,9 @@ tests check the same families at real lengths and that the kernel matches this e
 
 import pytest
 import torch
-from helpers import cosine, rel_l1
 
+from fsattn_diffusers.metrics import cosine_similarity as cosine
+from fsattn_diffusers.metrics import relative_l1 as rel_l1
 from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats
 from fsattn_diffusers.adversarial import FAMILIES, make_family
 from fsattn_diffusers.reference import attention_reference

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from helpers import cosine
 
+from fsattn_diffusers.metrics import cosine_similarity as cosine
+from fsattn_diffusers.metrics import relative_l1 as rel_l1
 from fsattn_diffusers import FSAttnConfig, UnsupportedInputError, fsattn, reset_stats, stats
 from fsattn_diffusers.ops import attention_op
 from fsattn_diffusers.reference import attention_reference
