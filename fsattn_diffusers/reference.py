@@ -124,7 +124,10 @@ def _pack_v(v, key_weight, config, low):
         v_scale, v_mean = torch.ones_like(zeros), zeros
     else:
         v_mean = _masked_mean(v, key_weight) if config.smooths_v else zeros
-        amax = torch.maximum(v.amax(2) - v_mean, v_mean - v.amin(2)).clamp_min(1e-20)
+        # Over the attended keys only, like kernels/quantize.py (an all-masked row: the floor).
+        v_max = torch.where(keep, v, float("-inf")).amax(2)
+        v_min = torch.where(keep, v, float("inf")).amin(2)
+        amax = torch.maximum(v_max - v_mean, v_mean - v_min).clamp_min(1e-20)
         v_scale = amax / FP8_MAX
     v_scaled = torch.where(keep, v - v_mean[:, :, None], 0.0) * (1.0 / v_scale)[:, :, None]
     if config.pv_format == "fp8_e4m3":

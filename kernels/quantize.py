@@ -194,7 +194,14 @@ def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
     k_mean = mean(k) if smooth_k else zeros
     v_mean = mean(v) if (smooth_v and v_fp8) else zeros
     if v_fp8:
-        v_min, v_max = torch.aminmax(v, dim=1)
+        if key_weight is None:
+            v_min, v_max = torch.aminmax(v, dim=1)
+        else:
+            # The range of the attended keys only: masked keys are zeroed in the quantised V, and
+            # a large padding value must not coarsen every attended key's FP8 grid.
+            keep = (key_weight != 0)[:, :, None, None]
+            v_max = torch.where(keep, v, float("-inf")).amax(dim=1)
+            v_min = torch.where(keep, v, float("inf")).amin(dim=1)
         v_amax = torch.maximum(v_max.float() - v_mean, v_mean - v_min.float()).clamp_min(1e-20)
         v_scale = v_amax / FP8_E4M3_MAX
     else:
