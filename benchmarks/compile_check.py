@@ -65,6 +65,39 @@ def compile_variant(frozen, exp_mode, k_per_token, pv, pv_fp32, rowsum_mma, has_
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_gluon(block_m, block_n, warps, stages, d_pad=128):
+    """The Gluon kernel (kernels/fsattn_fwd_gluon.py), signature built from CPU tensors' descriptors."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
+
+    kernel = gk._fsattn_fwd_gluon_kernel
+    descs = {
+        "q_desc": gk._descriptor(torch.zeros(4 * block_m, d_pad, dtype=torch.int8), [block_m, d_pad], gk.gl.int8),
+        "k_desc": gk._descriptor(torch.zeros(4 * block_n, d_pad, dtype=torch.int8), [block_n, d_pad], gk.gl.int8),
+        "vt_desc": gk._descriptor(torch.zeros(d_pad, 4 * block_n, dtype=torch.float8_e4m3fn), [d_pad, block_n],
+                                  gk.gl.float8e4nv),
+        "w_desc": gk._descriptor(torch.zeros(16, 4 * block_n, dtype=torch.float8_e4m3fn), [16, block_n],
+                                 gk.gl.float8e4nv),
+    }
+    sig = {name: mangle_type(d) for name, d in descs.items()}
+    sig.update({n: "*fp32" for n in ("qs_ptr", "qkm_ptr", "ks_ptr", "v_scale_ptr", "v_mean_ptr", "lse_ptr")})
+    sig["out_ptr"] = "*bf16"
+    for n in ("seq_q", "q_pad", "head_dim", "n_q_heads", "group", "n_tiles", "s_pad", "w_rows_per_batch",
+              "stride_ob", "stride_os", "stride_oh"):
+        sig[n] = "i32"
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "D_PAD": d_pad, "STAGES": stages, "num_warps": warps}
+    for n in constexprs:
+        sig[n] = "constexpr"
+    sig = {n: sig[n] for n in kernel.arg_names}
+    aligned = [i for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("s_pad", "q_pad", "stride_os")]
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    src = GluonASTSource(kernel, sig, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
 def ptxas_report(ptx: str) -> str:
     """Registers and spill bytes as ptxas reports them (the compiled kernel fills n_regs only on a GPU)."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -84,8 +117,22 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--tiles", nargs="+", default=["128,128,8,2"])
+    parser.add_argument("--gluon", action="store_true", help="compile the Gluon kernel instead")
     parser.add_argument("--dump", default=None, help="folder to write each variant's PTX and SASS into")
     args = parser.parse_args()
+    if args.gluon:
+        for tiles in args.tiles:
+            block_m, block_n, warps, stages = (int(x) for x in tiles.split(","))
+            k = compile_gluon(block_m, block_n, warps, stages)
+            ptx = k.asm["ptx"]
+            print(f"{tiles:12s} gluon        {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
+                  f"wgmma {ptx.count('wgmma.mma_async'):3d} wait {ptx.count('wgmma.wait_group'):3d} "
+                  f"ex2 {ptx.count('ex2.approx'):4d} cvt.e4m3 {ptx.count('e4m3x2'):3d} bar {ptx.count('bar.sync'):3d}")
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                with open(os.path.join(args.dump, f"gluon_{tiles.replace(',', '_')}.ptx"), "w") as f:
+                    f.write(ptx)
+        return
     for tiles in args.tiles:
         block_m, block_n, warps, stages = (int(x) for x in tiles.split(","))
         for name in args.variants:

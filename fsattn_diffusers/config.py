@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 # FP8 e4m3 (the "fn" variant, no infinities) tops out at 448 = 2**8.807. P is stored as
@@ -20,6 +21,7 @@ _CHOICES = {
     "on_violation": ("rescale", "recompute"),
     "rowsum": ("mma", "fma"),
     "pv_accum": ("fp32", "hw"),
+    "kernel": ("triton", "gluon"),
 }
 _EXP_OFFLOAD_SHARES = (0.0, 0.5, 1.0)
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -80,6 +82,22 @@ class FSAttnConfig:
         the GPU and head dim. ``block_n`` is also the K-scale granularity.
     num_warps, num_stages : int or None
         Launch overrides for the Triton kernel (``None``: tuned default).
+    sdpa_below_flops : float
+        Used by the diffusers integrations (:class:`FSAttnProcessor`, :func:`apply_fsattn`, the
+        ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
+        fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
+        (SDPA), which is exact and, at that size, faster: fsattn's pre-passes and launches cost a
+        fixed ~0.5 ms. The default, 2.5e12, is the H200 crossover
+        (``benchmarks/results/2026-11-29_h200_seqlen_sweep.png``: fsattn is 0.96x of SDPA at 16384
+        tokens x 12 heads (1.6e12), 1.09x at 32760 (6.6e12)); it sends cross-attention to a few
+        hundred text tokens to SDPA. ``0`` runs every call on fsattn.
+    kernel : {"triton", "gluon"}
+        ``"triton"``: the Triton kernel. ``"gluon"`` (experimental, Hopper only): the Gluon
+        kernel, which overlaps the next tile's score GEMM with the softmax and PV GEMM of the
+        current one, for the calls it covers (online max, per-key K scales, FP8 PV with the
+        hardware accumulator, tensor-core row sum, no float mask, 64-row tiles); other calls and
+        other GPUs run the Triton kernel. Same numerics; on the H200 it measured 8-25 % slower
+        than the Triton kernel (benchmarks/NOTES.md, v4), hence not the default.
     check_finite : bool
         Check the inputs for NaN and Inf and raise (costs a pass over the inputs and a sync).
     """
@@ -100,6 +118,8 @@ class FSAttnConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    sdpa_below_flops: float = 2.5e12
+    kernel: str = "triton"
     check_finite: bool = False
 
     def __post_init__(self):
@@ -131,6 +151,9 @@ class FSAttnConfig:
                 "FSAttnConfig: rowsum='fma' sums the unquantised P, which the bit-level exponential "
                 "(exp_offload > 0) never forms; use rowsum='mma'"
             )
+        if not (isinstance(self.sdpa_below_flops, (int, float)) and self.sdpa_below_flops >= 0
+                and math.isfinite(self.sdpa_below_flops)):
+            raise ValueError(f"FSAttnConfig.sdpa_below_flops={self.sdpa_below_flops!r}; expected a finite number >= 0")
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value is not None and value not in _BLOCK_SIZES:

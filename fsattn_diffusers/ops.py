@@ -84,12 +84,34 @@ def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
         frozen = fwd.FROZEN_OFF
     else:
         frozen = fwd.FROZEN_RESCALE if cfg.on_violation == "rescale" else fwd.FROZEN_RECOMPUTE
-    fwd.fsattn_fwd(
-        q, kv, out, lse, stats.fallback_counter(q.device), sm_scale=scale, bias=bias, frozen=frozen,
-        exp_mode=_EXP_MODES[float(cfg.exp_offload)], pv_fp32=cfg.pv_accum == "fp32",
-        rowsum_mma=cfg.rowsum == "mma", max_threshold=cfg.max_threshold,
-        block_m=launch.block_m, num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
+    kernel_args = dict(bias=bias, frozen=frozen, exp_mode=_EXP_MODES[float(cfg.exp_offload)],
+                       pv_fp32=cfg.pv_accum == "fp32", rowsum_mma=cfg.rowsum == "mma",
+                       block_m=launch.block_m, num_warps=launch.num_warps)
+    if cfg.kernel == "gluon" and _gluon_covers(q, out, kv, kernel_args):
+        from .kernels.fsattn_fwd_gluon import fsattn_fwd_gluon
+
+        fsattn_fwd_gluon(q, kv, out, lse, sm_scale=scale, block_m=launch.block_m, num_warps=launch.num_warps,
+                         num_stages=launch.num_stages)
+        return
+    fwd.fsattn_fwd(q, kv, out, lse, stats.fallback_counter(q.device), sm_scale=scale,
+                   max_threshold=cfg.max_threshold, num_stages=launch.num_stages, **kernel_args)
+
+
+def _gluon_covers(q, out, kv, kernel_args) -> bool:
+    """Whether the Gluon kernel (Hopper only; see kernels/fsattn_fwd_gluon.py) takes this call."""
+    if q.device.type != "cuda" or _capability(q.device.index) != (9, 0) or out.stride(-1) != 1:
+        return False
+    gluon = _gluon_module()
+    return gluon is not None and gluon.supports(kv, **kernel_args)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_module():
+    try:
+        from .kernels import fsattn_fwd_gluon
+    except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernel runs everything
+        return None
+    return fsattn_fwd_gluon
 
 
 def _padded_dim(head_dim):

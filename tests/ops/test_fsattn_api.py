@@ -89,7 +89,9 @@ def test_grad_is_refused_with_a_clear_message():
 @pytest.mark.parametrize("bad", [dict(max_threshold=0.0), dict(max_threshold=9.0), dict(exp_offload=0.3),
                                  dict(pv_format="fp4"), dict(block_n=48), dict(block_n=16),
                                  dict(exp_offload=0.5, pv_format="16bit"), dict(exp_offload=1.0, rowsum="fma"),
-                                 dict(smooth_v=True, pv_format="16bit"), dict(num_stages=0)])
+                                 dict(smooth_v=True, pv_format="16bit"), dict(num_stages=0),
+                                 dict(sdpa_below_flops=-1.0), dict(sdpa_below_flops=float("inf")),
+                                 dict(sdpa_below_flops="1e12"), dict(kernel="cuda")])
 def test_config_validation(bad):
     with pytest.raises((ValueError, TypeError)):
         FSAttnConfig(**bad)
