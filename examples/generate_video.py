@@ -4,12 +4,18 @@
     python examples/generate_video.py                   # built-in `tiny` (random weights), CPU-sized
     python examples/generate_video.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "A cat surfing"
     python examples/generate_video.py --model wan2.1-t2v-1.3b --steps 10 --no-decode   # GPU timing
+    torchrun --nproc-per-node 2 examples/generate_video.py --model wan2.1-t2v-14b --ulysses-degree 2 --no-decode
 
 ``--model`` is a built-in name (fsattn_diffusers.builtin_models: tiny, wan2.1-t2v-1.3b,
 wan2.1-t2v-14b, hunyuanvideo; random weights, nothing downloaded) or a hub id / local folder of a
 Wan or HunyuanVideo diffusers pipeline (``DiffusionPipeline.from_pretrained``). At the end it
 prints the time per step and in total, the attention backend, fsattn's speculative-max
 fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
+
+Under ``torchrun`` with ``--ulysses-degree`` / ``--ring-degree`` (their product must be the number
+of processes), the transformer runs with diffusers' context parallelism, one GPU per process:
+every rank runs the whole pipeline on its share of the video tokens, and rank 0 alone writes the
+video and the JSON and prints the summary, with each rank's time.
 """
 
 from __future__ import annotations
@@ -79,6 +85,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="stop at the latents (no VAE decode, no mp4): times only the denoising loop")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="untimed denoising steps run first (Triton/cuDNN/compile warm-up); default 1 on cuda, 0 on cpu")
+    parser.add_argument("--ulysses-degree", type=_positive_int, default=1,
+                        help="context parallelism: GPUs that split the heads of each attention (Ulysses); "
+                             "run under torchrun, ulysses x ring = number of processes")
+    parser.add_argument("--ring-degree", type=_positive_int, default=1,
+                        help="context parallelism: GPUs that pass key/value chunks around a ring (ring attention)")
 
 
 def add_fsattn_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +134,83 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
     if dtype is None:
         return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     return dev, _DTYPES[dtype]
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+@dataclass
+class Parallel:
+    """This process's place in a torchrun launch with context parallelism."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    ulysses_degree: int
+    ring_degree: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def check_parallel_args(ulysses_degree: int, ring_degree: int, attention: str, environ=None) -> Parallel | None:
+    """The torchrun launch asked for, checked against the degrees; None for a plain single-process run.
+
+    `environ` (default ``os.environ``) supplies torchrun's ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``.
+    """
+    environ = os.environ if environ is None else environ
+    world_size = int(environ.get("WORLD_SIZE", "1"))
+    degrees = ulysses_degree * ring_degree
+    if degrees == 1 and world_size == 1:
+        return None
+    if degrees != world_size:
+        how = (f"it runs {world_size} processes" if "WORLD_SIZE" in environ else
+               "it was not launched by torchrun (one process)")
+        raise SystemExit(
+            f"--ulysses-degree={ulysses_degree} x --ring-degree={ring_degree} = {degrees}, but {how}: the product must "
+            f"equal the number of processes, e.g. torchrun --nproc-per-node {degrees} examples/generate_video.py "
+            f"--ulysses-degree {ulysses_degree} --ring-degree {ring_degree} ...")
+    if ring_degree > 1 and attention == "sdpa":
+        raise SystemExit(f"--ring-degree={ring_degree} with --attention sdpa: diffusers' native attention cannot run "
+                         "ring attention (its op returns no log-sum-exp); use --attention fsattn or --ulysses-degree")
+    return Parallel(rank=int(environ.get("RANK", "0")), local_rank=int(environ.get("LOCAL_RANK", "0")),
+                    world_size=world_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree)
+
+
+def start_parallel(parallel: Parallel, device: str | None) -> torch.device:
+    """Join the process group (NCCL) and return this rank's GPU."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        raise SystemExit("--ulysses-degree / --ring-degree need one CUDA GPU per process (diffusers' "
+                         "enable_parallelism places each rank on an accelerator)")
+    dev = torch.device("cuda", parallel.local_rank)
+    torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=dev)
+    return dev
+
+
+def enable_context_parallelism(loaded: "LoadedModel", parallel: Parallel) -> None:
+    """diffusers' context parallelism on every transformer of the pipeline (after the attention is set)."""
+    from diffusers import ContextParallelConfig
+
+    for name, component in loaded.pipe.components.items():
+        if name.startswith("transformer") and isinstance(component, torch.nn.Module):
+            component.enable_parallelism(config=ContextParallelConfig(
+                ulysses_degree=parallel.ulysses_degree, ring_degree=parallel.ring_degree))
+
+
+def gather_rank_times(result: "RunResult", parallel: Parallel) -> dict:
+    """Every rank's total and denoising time (rank order), for rank 0's summary."""
+    import torch.distributed as dist
+
+    times = [None] * parallel.world_size
+    dist.all_gather_object(times, {"total_seconds": result.total_seconds, "denoise_seconds": result.denoise_seconds})
+    return {"world_size": parallel.world_size, "ulysses_degree": parallel.ulysses_degree,
+            "ring_degree": parallel.ring_degree,
+            "rank_total_seconds": [t["total_seconds"] for t in times],
+            "rank_denoise_seconds": [t["denoise_seconds"] for t in times]}
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -424,7 +512,7 @@ def format_gib(n: int | None) -> str:
 
 
 def summary_dict(loaded: LoadedModel, settings: GenerationSettings, attention: str, result: RunResult,
-                 output: str | None) -> dict:
+                 output: str | None, parallel: dict | None = None) -> dict:
     steps = result.step_seconds
     return {
         "model": loaded.name, "family": loaded.family, "random_weights": loaded.random_weights,
@@ -443,6 +531,7 @@ def summary_dict(loaded: LoadedModel, settings: GenerationSettings, attention: s
         "peak_gpu_bytes": result.peak_gpu_bytes, "fsattn_stats": result.stats,
         "output": output,
         "frames_written": None if result.frames is None else int(result.frames.shape[0]),
+        "parallel": parallel,
     }
 
 
@@ -464,6 +553,12 @@ def print_summary(summary: dict) -> None:
         ("peak GPU memory", format_gib(summary["peak_gpu_bytes"])),
         ("output", summary["output"] or "none (latents only: --no-decode or no VAE)"),
     ]
+    parallel = summary.get("parallel")
+    if parallel:
+        per_rank = ", ".join(f"rank {i} {t:.2f} s" for i, t in enumerate(parallel["rank_total_seconds"]))
+        rows.insert(3, ("context parallel", f"{parallel['world_size']} GPUs: ulysses {parallel['ulysses_degree']} x "
+                                            f"ring {parallel['ring_degree']} (rank 0's numbers below)"))
+        rows.append(("time per rank", f"{per_rank}; slowest {max(parallel['rank_total_seconds']):.2f} s"))
     width = max(len(k) for k, _ in rows)
     print("\n== generate_video summary ==")
     for key, value in rows:
@@ -509,29 +604,46 @@ def main(argv=None) -> dict:
     parser.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
     args = parser.parse_args(argv)
 
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    parallel = check_parallel_args(args.ulysses_degree, args.ring_degree, args.attention)
+    if parallel is not None and args.cpu_offload:
+        raise SystemExit("--cpu-offload cannot be combined with --ulysses-degree / --ring-degree")
+    if args.ring_degree > 1 and (args.skip_first_steps or args.skip_last_steps or args.skip_blocks):
+        # Skipped steps and blocks run diffusers' native attention, which cannot run a ring.
+        raise SystemExit("--skip-first-steps / --skip-last-steps / --skip-blocks cannot be combined with --ring-degree > 1")
+    device_arg = str(start_parallel(parallel, args.device)) if parallel is not None else args.device
+    device, dtype = resolve_device_dtype(device_arg, args.dtype)
     config = parse_fsattn_config(args.fsattn_config)
     loaded = load_model(args.model, device, dtype, cpu_offload=args.cpu_offload, seed=args.seed)
-    if loaded.random_weights:
+    main_rank = parallel is None or parallel.is_main
+    if loaded.random_weights and main_rank:
         print("NOTE: " + builtin_models.RANDOM_WEIGHTS_NOTE.format(name=loaded.name), file=sys.stderr)
     settings = resolve_settings(args, loaded)
     if args.attention == "fsattn":
         attention = set_attention(loaded, "fsattn", config, **skip_kwargs(args))
     else:
         attention = set_attention(loaded, "sdpa")
+    if parallel is not None:
+        enable_context_parallelism(loaded, parallel)
+        attention += f"; context parallel: ulysses {parallel.ulysses_degree} x ring {parallel.ring_degree}"
     if args.compile:
         compile_transformer(loaded)
     result = run_pipeline(loaded, settings, warmup_steps=default_warmup(args, device),
                           desc=f"denoising [{args.attention}]")
+    rank_times = gather_rank_times(result, parallel) if parallel is not None else None
     output = None
-    if result.frames is not None:
+    if result.frames is not None and main_rank:
         safe_name = os.path.basename(os.path.normpath(args.model)).replace("/", "_")
         output = write_video(result.frames, args.output or os.path.join("outputs", f"{safe_name}-{args.attention}.mp4"),
                              settings.fps)
-    summary = summary_dict(loaded, settings, attention, result, output)
-    print_summary(summary)
-    if args.summary_json:
-        write_json(summary, args.summary_json)
+    summary = summary_dict(loaded, settings, attention, result, output, rank_times)
+    if main_rank:
+        print_summary(summary)
+        if args.summary_json:
+            write_json(summary, args.summary_json)
+    if parallel is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return summary
 
 

@@ -66,7 +66,8 @@ def fsattn(query, key, value, attn_mask=None, scale=None, layout="NHD", return_l
     to 128 (64, 96 and 128 are tuned); any lengths from 1. Inference only: inputs that require
     grad raise. On CPU tensors the PyTorch emulation of the kernel's numerics runs; on a GPU
     without FP8 tensor cores (before sm_89) the call goes to SDPA, logged once and counted in
-    :func:`~fsattn_diffusers.stats`.
+    :func:`~fsattn_diffusers.stats`.``config.sdpa_below_flops`` is not applied here:
+    the diffusers integrations apply it, this function always runs the kernels.
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, FSAttnConfig):

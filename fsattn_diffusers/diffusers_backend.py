@@ -10,17 +10,24 @@ This is the only module that touches diffusers' private attention registry
 sends the rest to the call the model would have made anyway (SDPA, or the backend it chose): it
 logs each (caller, reason) once, counts every fallback in :func:`fsattn_diffusers.stats`, and in
 strict mode raises instead.
+
+Under diffusers' context parallelism (``model.enable_parallelism(config=ContextParallelConfig(...))``:
+Ulysses, ring, or both), :func:`context_parallel_attention` hands fsattn to diffusers' own
+``_templated_context_parallel_attention`` as the per-rank attention op, the way diffusers' flash and
+sage backends plug in: the all-to-alls and the ring's key/value rotation stay diffusers', and each
+rank's partial result comes back with its log-sum-exp for the ring merge.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
 import torch
 
 from .attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, UnsupportedInputError, fsattn
-from .config import FSAttnConfig
+from .config import DEFAULT_CONFIG, FSAttnConfig
 from .ops import kernels_available
 # Not `from . import stats`: the package rebinds that name to the stats() function.
 from .stats import record_sdpa_fallback
@@ -75,6 +82,26 @@ def fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return None, ""
 
 
+def too_small_for_fsattn(query, key, layout, config, work_factor: int = 1) -> bool:
+    """Whether SDPA beats fsattn at this size (a CUDA call under ``config.sdpa_below_flops`` FLOPs).
+
+    `work_factor` scales the FLOPs of the given shapes to those of the call that will run (under
+    Ulysses of degree u, a rank's shards become u times the sequence over 1/u of the heads: u
+    times the work).
+    """
+    if query.device.type != "cuda":
+        return False  # the CPU emulation is a stand-in for the GPU kernel, not a speed choice
+    threshold = (config if config is not None else DEFAULT_CONFIG).sdpa_below_flops
+    return attention_flops(query, key, layout) * work_factor < threshold
+
+
+def attention_flops(query, key, layout) -> float:
+    """``4 * B * Hq * Sq * Sk * D``: the two GEMMs of non-causal attention."""
+    seq_axis = 1 if layout == "NHD" else 2
+    heads = query.shape[3 - seq_axis]
+    return 4.0 * query.shape[0] * heads * query.shape[seq_axis] * key.shape[seq_axis] * query.shape[3]
+
+
 def attention_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, layout,
                           config, strict, where, fallback):
     """Run one attention call with fsattn, or with `fallback` (a no-argument callable) where it cannot.
@@ -94,6 +121,12 @@ def attention_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, sc
         Makes the call the model would have made without fsattn, with the original arguments.
     """
     reason, detail = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout)
+    if reason is None and too_small_for_fsattn(query, key, layout, config):
+        # A performance choice, not a refusal: strict mode does not object, and it is logged at info.
+        note_backend(where + " (below FSAttnConfig.sdpa_below_flops)", "SDPA")
+        if not torch.compiler.is_compiling():
+            record_sdpa_fallback("small_problem")
+        return fallback()
     if reason is None:
         try:
             out = fsattn(query, key, value, attn_mask=attn_mask, scale=scale, layout=layout, config=config)
@@ -163,15 +196,9 @@ def _fsattn_attention(
     options = _backend_options
     where = f"attention backend {BACKEND_NAME!r}"
     if _parallel_config is not None:
-        # Context parallelism: not supported yet, so such calls run on diffusers' native backend,
-        # which supports it. To support it, register with supports_context_parallel=True and call
-        # diffusers' _templated_context_parallel_attention(..., forward_op=_fsattn_forward_op,
-        # backward_op=_fsattn_backward_op, _parallel_config=_parallel_config) here.
-        if options["strict"]:
-            raise UnsupportedInputError("context_parallel", f"{where}: context parallelism is not supported yet "
-                                        "and strict=True forbids the fallback to the native backend")
-        note_fallback(where, "context_parallel", "context parallelism is not supported by fsattn yet")
-        return sdpa()
+        return context_parallel_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, _parallel_config,
+            config=options["config"], strict=options["strict"], where=where + " (context parallel)", fallback=sdpa)
     if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
             and attn_mask.shape[1] == key.shape[1]):
         # diffusers' convention (as in its native backend): a 2-D mask is (batch, keys).
@@ -184,17 +211,130 @@ def _fsattn_attention(
 _fsattn_attention._fsattn_diffusers_backend = True  # marks our function across module reloads
 
 
-def _fsattn_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                       enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
-    """Forward op in the form diffusers' templated context-parallel attention takes.
+# ----------------------------------------------------------------------------- context parallelism
 
-    Returns ``out`` (B, S, H, D), and with `return_lse` the natural-log LSE as float32
-    ``(B, S, H)``, the layout diffusers' ring attention merges partial results with.
+
+def context_parallel_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     enable_gqa=False, *, ring_degree=1):
+    """Why fsattn must not take this context-parallel call, as ``(reason, detail)``, or ``(None, "")``.
+
+    :func:`fallback_reason`, plus what diffusers' templated attention refuses (grouped-query
+    attention) and masks under a ring. Depends only on what every rank shares (shapes, dtypes,
+    flags, degrees), so all ranks take the same path and make the same collective calls.
+    """
+    if enable_gqa or (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == key.dim() == 4
+                      and query.shape[2] != key.shape[2]):
+        return "cp_gqa", "unequal query and key head counts (diffusers' context-parallel attention refuses GQA)"
+    if attn_mask is not None and ring_degree > 1:
+        return "cp_ring_mask", _RING_MASK_DETAIL
+    return fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, "NHD")
+
+
+# Reasons no fallback can serve under context parallelism (see context_parallel_attention).
+_NO_CP_FALLBACK = ("cp_ring_mask", "is_causal", "cp_gqa")
+_RING_MASK_DETAIL = (
+    "attn_mask with ring_degree > 1: diffusers' ring attention hands the same mask to every rank's key chunk, so "
+    "no backend can apply a key mask correctly there (diffusers' native backend cannot run a ring at all); use "
+    "ulysses_degree for models that pass masks")
+
+
+def context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                               parallel_config, *, config, strict, where, fallback):
+    """One attention call under diffusers' context parallelism, on fsattn or on a fallback.
+
+    fsattn runs as the per-rank op (:func:`_fsattn_forward_op`) of diffusers'
+    ``_templated_context_parallel_attention``, which does the Ulysses all-to-alls and the ring's
+    key/value rotation and merges the ring's partial results by their log-sum-exp. Calls fsattn
+    cannot take (:func:`context_parallel_fallback_reason`) are logged once and counted, or raise
+    with `strict`, and run:
+
+    * Ulysses only: `fallback`, the original backend's own context-parallel path;
+    * with a ring: exact attention (:func:`_sdpa_forward_op`) in the same template, because
+      diffusers' native op gives no log-sum-exp and so cannot run a ring at all (0.36 to 0.42).
+
+    Masks under a ring, causal attention and grouped-query attention raise
+    :class:`UnsupportedInputError` whatever `strict` says: diffusers' templated attention refuses
+    the last two for every backend, and applies a mask to a ring's key chunks wrongly.
+
+    Parameters
+    ----------
+    query, key, value : Tensor (B, S_local, H, D)
+        This rank's share of the sequence, as diffusers' dispatcher passes it.
+    attn_mask : Tensor or None
+        A key-padding mask of this rank's keys (2-D ``(B, S_local)`` or broadcastable to
+        ``(B, 1, 1, S_local)``): diffusers' Ulysses all-gathers it along with the keys.
+    parallel_config : diffusers ParallelConfig
+        The model's, with ``context_parallel_config`` set up (device mesh and ranks).
+    config, strict, where, fallback
+        As for :func:`attention_or_fallback`.
+    """
+    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+
+    ring_degree = parallel_config.context_parallel_config.ring_degree
+    if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
+            and attn_mask.shape[1] == key.shape[1]):
+        attn_mask = attn_mask[:, None, None, :]  # diffusers' convention: a 2-D mask is (batch, keys)
+    reason, detail = context_parallel_fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                                                      ring_degree=ring_degree)
+
+    def templated(forward_op):
+        return _templated_context_parallel_attention(
+            query, key, value, attn_mask, dropout_p, False, scale, False, False, forward_op=forward_op,
+            backward_op=_fsattn_backward_op, _parallel_config=parallel_config)
+
+    ulysses_degree = parallel_config.context_parallel_config.ulysses_degree
+    if reason is None and ring_degree == 1 and too_small_for_fsattn(query, key, "NHD", config, ulysses_degree):
+        # Ulysses gathers the whole sequence, so this rank's problem is the full-length one over
+        # fewer heads; when even that is small, the original backend's own path is faster. (A ring
+        # needs the LSE, which diffusers' native op cannot give: it stays on fsattn.)
+        note_backend(where + " (below FSAttnConfig.sdpa_below_flops)", "the original backend")
+        if not torch.compiler.is_compiling():
+            record_sdpa_fallback("small_problem")
+        return fallback()
+    if reason is None:
+        note_backend(where, "fsattn")
+        return templated(functools.partial(_fsattn_forward_op, config=config))
+    if strict or reason in _NO_CP_FALLBACK:
+        raise UnsupportedInputError(
+            reason, f"{where}: fsattn cannot run this attention call: {detail}" +
+            (". strict=True forbids the fallback; pass strict=False to allow it" if strict else ""))
+    note_fallback(where, reason, detail)
+    if ring_degree > 1:
+        return templated(_sdpa_forward_op)
+    return fallback()
+
+
+_REGISTERED_CONFIG = object()  # _fsattn_forward_op's default: the config the backend was registered with
+
+
+def _fsattn_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None, *,
+                       config=_REGISTERED_CONFIG):
+    """Forward op in the form diffusers' templated context-parallel attention calls it.
+
+    Parameters
+    ----------
+    ctx : autograd context (unused: fsattn is forward-only and saves nothing)
+    query, key, value : Tensor (B, S, H, D)
+        What this rank attends with: after the Ulysses all-to-all, all of the sequence for a share
+        of the heads; in a ring step, this rank's queries and one rank's key/value chunk.
+    config : FSAttnConfig or None
+        Default: the config :func:`register_fsattn_backend` was given.
+
+    Returns
+    -------
+    ``out`` (B, S, H, D) in the input dtype, and with `return_lse` the natural-log LSE of each
+    row's scaled scores, float32 ``(B, S, H)``: the layout diffusers' flash and cuDNN ops give
+    (theirs permuted from (B, H, S)), which the ring merges partial results with
+    (``sigmoid(lse_b - lse_a)`` is the share of chunk b, which needs natural log). The LSE
+    includes fsattn's key-mean correction (``sm_scale * q . mean(k)`` of the chunk it saw), so
+    LSEs of different key chunks are comparable.
     """
     if dropout_p or is_causal:
         raise UnsupportedInputError("is_causal" if is_causal else "dropout",
                                     "fsattn's context-parallel forward takes neither dropout nor causal masks")
-    config = _backend_options["config"]
+    if config is _REGISTERED_CONFIG:
+        config = _backend_options["config"]
     if not return_lse:
         return fsattn(query, key, value, attn_mask=attn_mask, scale=scale, config=config)
     out, lse = fsattn(query, key, value, attn_mask=attn_mask, scale=scale, return_lse=True, config=config)
@@ -202,7 +342,33 @@ def _fsattn_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is
 
 
 def _fsattn_backward_op(ctx, grad_out, *args, **kwargs):
-    raise NotImplementedError("fsattn is forward-only (inference); there is no backward pass")
+    raise NotImplementedError("fsattn's context-parallel attention is forward-only (inference); there is no "
+                              "backward pass")
+
+
+_LSE_ROWS = 1024  # query rows whose scores _sdpa_forward_op materialises at once, to bound memory
+
+
+def _sdpa_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+    """Exact attention as a templated context-parallel forward op, with the LSE a ring needs.
+
+    SDPA gives the output; the natural-log LSE, float32 ``(B, S, H)``, is computed from the
+    scores in blocks of query rows (diffusers' native op returns none, so it cannot run a ring).
+    Forward-only, like fsattn's op: it is the ring's fallback for calls fsattn cannot take.
+    """
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                           scale=scale).transpose(1, 2)
+    if not return_lse:
+        return out
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    kf = k.float().transpose(-1, -2)
+    for i0 in range(0, q.shape[2], _LSE_ROWS):
+        s = torch.matmul(q[:, :, i0:i0 + _LSE_ROWS].float(), kf) * scale
+        lse[:, :, i0:i0 + _LSE_ROWS] = torch.logsumexp(s, dim=-1)
+    return out, lse.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -250,9 +416,10 @@ def register_fsattn_backend(*, config: FSAttnConfig | None = None, strict: bool 
     After it, ``model.set_attention_backend("fsattn")`` and ``with attention_backend("fsattn"):``
     run every attention call that a model makes through ``dispatch_attention_fn`` on
     :func:`~fsattn_diffusers.fsattn`. Calls fsattn cannot take (causal, dropout, masks that vary
-    over queries, head dim > 128, a GPU without FP8 tensor cores, context parallelism) run on
-    diffusers' native SDPA backend, logged once per reason and counted in
-    :func:`~fsattn_diffusers.stats`.
+    over queries, head dim > 128, a GPU without FP8 tensor cores) run on diffusers' native SDPA
+    backend, logged once per reason and counted in :func:`~fsattn_diffusers.stats`. The backend
+    supports diffusers' context parallelism (``enable_parallelism`` with Ulysses, ring or both);
+    masked calls under it run on the native backend's context-parallel path.
 
     Parameters
     ----------
@@ -283,10 +450,9 @@ def register_fsattn_backend(*, config: FSAttnConfig | None = None, strict: bool 
                 "fsattn-diffusers'; refusing to replace it")
         _backend_options.update(config=config, strict=strict)
         if registered is not _fsattn_attention:
-            # Context parallelism is not supported yet (see _fsattn_attention), hence False.
             _AttentionBackendRegistry.register(member, constraints=_constraints(),
-                                               supports_context_parallel=False)(_fsattn_attention)
+                                               supports_context_parallel=True)(_fsattn_attention)
     return member
 
 
-__all__ = ["BACKEND_NAME", "attention_or_fallback", "register_fsattn_backend"]
+__all__ = ["BACKEND_NAME", "attention_or_fallback", "context_parallel_attention", "register_fsattn_backend"]

@@ -226,6 +226,11 @@ def remove_fsattn(pipe_or_model):
         patch = model.__dict__.pop(_PATCH_ATTR, None)
         if patch is not None:
             for module, original in patch.originals:
+                # enable_parallelism() after apply_fsattn set the model's parallel config on the bound
+                # copies only; without it the original would attend over this rank's tokens alone.
+                parallel = getattr(module.processor, "_parallel_config", None)
+                if parallel is not None and hasattr(original, "_parallel_config"):
+                    original._parallel_config = parallel
                 _set_processor(module, original)
             for route in patch.routes:
                 route.release()

@@ -32,7 +32,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from . import families
 from .attention import UnsupportedInputError
 from .config import FSAttnConfig
-from .diffusers_backend import attention_or_fallback, note_fallback
+from .diffusers_backend import attention_or_fallback, context_parallel_attention, note_fallback
 
 # Set on generic attention modules once the processor diffusers gives them is known.
 OWN_PROCESSOR_ATTR = "_fsattn_own_processor_cls"
@@ -80,10 +80,13 @@ class AttentionRoute:
 
         if self.gate is not None and not self.gate.enabled:
             return original()
-        if parallel_config is not None or attention_kwargs:
-            # Context parallelism, or backend-specific arguments: only the original backend knows them.
-            reason = "context_parallel" if parallel_config is not None else "attention_kwargs"
-            return self._refuse(reason, f"{reason} is not supported by fsattn yet", original)
+        if attention_kwargs:
+            # Backend-specific arguments: only the original backend knows them.
+            return self._refuse("attention_kwargs", "attention_kwargs is not supported by fsattn yet", original)
+        if parallel_config is not None:
+            return context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                              parallel_config, config=self.config, strict=self.strict,
+                                              where=self.where + " (context parallel)", fallback=original)
         if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
                 and attn_mask.shape[1] == key.shape[1]):
             attn_mask = attn_mask[:, None, None, :]  # diffusers' convention: a 2-D mask is (batch, keys)

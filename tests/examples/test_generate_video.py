@@ -90,3 +90,61 @@ def test_hunyuanvideo_builtin_without_vae_stops_at_latents(generate_video, tmp_p
                                    "--output", str(tmp_path / "h.mp4")])
     assert summary["family"] == "hunyuanvideo" and summary["output"] is None
     assert len(summary["step_seconds"]) == 2 and not (tmp_path / "h.mp4").exists()
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def test_parallel_degrees_of_one_outside_torchrun_mean_a_plain_run(generate_video):
+    assert generate_video.check_parallel_args(1, 1, "fsattn", environ={}) is None
+
+
+@pytest.mark.parametrize("ulysses, ring", [(2, 1), (1, 2)])
+def test_parallel_degrees_without_torchrun_are_refused_with_the_command_to_use(generate_video, ulysses, ring):
+    with pytest.raises(SystemExit) as info:
+        generate_video.check_parallel_args(ulysses, ring, "fsattn", environ={})
+    message = str(info.value)
+    assert "not launched by torchrun" in message and "torchrun --nproc-per-node 2" in message
+    assert f"--ulysses-degree={ulysses} x --ring-degree={ring} = 2" in message
+
+
+@pytest.mark.parametrize("ulysses, ring, world", [(2, 1, 4), (2, 2, 2), (1, 1, 2)])
+def test_parallel_degrees_must_multiply_to_the_world_size(generate_video, ulysses, ring, world):
+    with pytest.raises(SystemExit, match=f"= {ulysses * ring}, but it runs {world} processes"):
+        generate_video.check_parallel_args(ulysses, ring, "fsattn", environ={"WORLD_SIZE": str(world)})
+
+
+def test_parallel_launch_reads_torchrun_ranks(generate_video):
+    env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}
+    parallel = generate_video.check_parallel_args(2, 2, "fsattn", environ=env)
+    assert (parallel.rank, parallel.local_rank, parallel.world_size) == (3, 1, 4)
+    assert (parallel.ulysses_degree, parallel.ring_degree) == (2, 2) and not parallel.is_main
+    assert generate_video.check_parallel_args(2, 1, "sdpa", environ={"WORLD_SIZE": "2"}).is_main
+
+
+def test_ring_with_sdpa_is_refused_naming_the_alternatives(generate_video):
+    with pytest.raises(SystemExit, match="native attention cannot run ring attention.*--attention fsattn"):
+        generate_video.check_parallel_args(1, 2, "sdpa", environ={"WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("flag", [["--ulysses-degree", "0"], ["--ring-degree", "-1"]])
+def test_parallel_degrees_below_one_are_refused_by_the_parser(generate_video, flag, capsys):
+    with pytest.raises(SystemExit):
+        generate_video.main([*SMALL, *flag])
+    assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_summary_prints_every_rank_time(generate_video, capsys):
+    summary = {
+        "model": "tiny", "random_weights": False, "num_frames": 9, "height": 64, "width": 96, "steps": 2,
+        "guidance_scale": 5.0, "seed": 0, "device": "cuda:0", "gpu": None, "dtype": "bfloat16", "attention": "fsattn",
+        "step_seconds": [1.0, 1.0], "step_seconds_mean": 1.0, "step_seconds_median": 1.0,
+        "step_seconds_steady_mean": 1.0, "total_seconds": 2.5, "prepare_seconds": 0.2, "denoise_seconds": 2.0,
+        "decode_seconds": 0.3, "fsattn_stats": {}, "peak_gpu_bytes": None, "output": None, "note": None,
+        "parallel": {"world_size": 2, "ulysses_degree": 2, "ring_degree": 1, "rank_total_seconds": [2.5, 2.75],
+                     "rank_denoise_seconds": [2.0, 2.25]},
+    }
+    generate_video.print_summary(summary)
+    out = capsys.readouterr().out
+    assert "2 GPUs: ulysses 2 x ring 1" in out
+    assert "rank 0 2.50 s, rank 1 2.75 s; slowest 2.75 s" in out

@@ -50,7 +50,7 @@ def test_registration_is_idempotent_and_visible_to_every_diffusers_lookup(backen
     # every argument dispatch_attention_fn passes, so none is dropped
     assert _AttentionBackendRegistry._supported_arg_names[backend] == {
         "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "_parallel_config"}
-    assert not _AttentionBackendRegistry._is_context_parallel_available(backend)
+    assert _AttentionBackendRegistry._is_context_parallel_available(backend)
     assert pickle.loads(pickle.dumps(backend)) is backend
     assert copy.deepcopy(backend) is backend
 
@@ -206,3 +206,47 @@ def test_backend_passes_diffusers_own_checks_when_enabled(backend, monkeypatch):
     assert torch.equal(_dispatch(q, k, v, backend=backend), fsattn(q, k, v))
     with pytest.raises(ValueError, match="same device|same dtype"):
         _dispatch(q, k.double(), v, backend=backend)
+
+
+# --- small problems go to SDPA (FSAttnConfig.sdpa_below_flops) -------------------------------------
+
+
+def test_attention_flops_counts_both_gemms_in_either_layout():
+    q = torch.empty(2, 300, 6, 64, device="meta")
+    k = torch.empty(2, 77, 6, 64, device="meta")
+    want = 4.0 * 2 * 6 * 300 * 77 * 64
+    assert diffusers_backend.attention_flops(q, k, "NHD") == want
+    assert diffusers_backend.attention_flops(q.transpose(1, 2), k.transpose(1, 2), "HND") == want
+
+
+def test_size_routing_applies_to_cuda_tensors_only():
+    # On CPU the emulation stands in for the GPU kernel: every call must reach it, however small.
+    q, k, _ = _qkv()
+    assert not diffusers_backend.too_small_for_fsattn(q, k, "NHD", FSAttnConfig(sdpa_below_flops=1e30))
+
+
+def test_small_calls_run_the_original_attention_counted_not_warned_even_when_strict(caplog, monkeypatch):
+    calls = []
+
+    def pretend_cuda_threshold(query, key, layout, config, work_factor=1):
+        calls.append(config.sdpa_below_flops)
+        return diffusers_backend.attention_flops(query, key, layout) * work_factor < config.sdpa_below_flops
+
+    monkeypatch.setattr(diffusers_backend, "too_small_for_fsattn", pretend_cuda_threshold)
+    q, k, v = _qkv()
+    flops = diffusers_backend.attention_flops(q, k, "NHD")
+    native = _dispatch(q, k, v, backend="native")
+    member = register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=flops * 2), strict=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fsattn_diffusers"):
+            routed = _dispatch(q, k, v, backend=member)
+        assert torch.equal(routed, native)  # the model's own SDPA call, bit for bit
+        assert fsattn_diffusers.stats()["sdpa_fallbacks"] == {"small_problem": 1}
+        assert not caplog.records  # a speed choice, not a problem: nothing at warning level
+        register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=flops / 2), strict=True)
+        big_enough = _dispatch(q, k, v, backend=member)
+    finally:
+        register_fsattn_backend()
+    assert torch.equal(big_enough, fsattn(q, k, v))
+    assert fsattn_diffusers.stats()["sdpa_fallbacks"] == {"small_problem": 1}
+    assert calls == [flops * 2, flops / 2]

@@ -1,0 +1,57 @@
+"""fsattn under diffusers' context parallelism on two GPUs (NCCL): Wan2.1-1.3B, and the ring's merge on the kernels.
+
+Skipped without two CUDA GPUs. Each test spawns two ranks (tests/integrations/cp_worker.py);
+the bounds are those of test_context_parallel.py, which explains them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsattn_diffusers.metrics import cosine_similarity
+
+from .cp_worker import launch
+from .test_context_parallel import _error, max_abs
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                 reason=f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")]
+
+WAN_1_3B_LAYERS = 30
+
+
+def test_wan21_1_3b_under_ulysses_and_ring_matches_one_gpu(tmp_path):
+    # The real Wan2.1-T2V-1.3B config, random weights, bf16; 33 frames at 480x832 (latents
+    # 9 x 60 x 104: 14,040 video tokens) and the real 512 text tokens.
+    options = dict(model="wan2.1-t2v-1.3b", dtype="bfloat16", latent=(9, 60, 104), text_tokens=512,
+                   layouts={"ulysses": (2, 1), "ring": (1, 2)})
+    result = launch({"wan_model": options}, 2, "cuda", tmp_path)["wan_model"]
+    single, sdpa = result["single_fsattn"], result["single_native"]
+    print(f"\nWan2.1-1.3B one GPU: fsattn vs SDPA cosine {cosine_similarity(single, sdpa):.6f}")
+    for name, ring_steps in (("ulysses", 1), ("ring", 2)):
+        out = result[name]
+        print(f"{name}: cosine vs one-GPU fsattn {cosine_similarity(out, single):.6f}, vs SDPA "
+              f"{cosine_similarity(out, sdpa):.6f}; max-abs vs fsattn {max_abs(out, single):.4g}, "
+              f"one-GPU fsattn vs SDPA {max_abs(single, sdpa):.4g}")
+        assert cosine_similarity(out, single) >= 0.9999
+        assert cosine_similarity(out, sdpa) >= 0.999
+        for rank_stats in result[name + "_stats"]:
+            assert rank_stats["calls"] == {"kernel": WAN_1_3B_LAYERS * (ring_steps + 1)}
+            assert rank_stats["sdpa_fallbacks"] == {}
+
+
+def test_ring_merge_on_the_kernels_is_as_close_to_exact_as_one_gpu(tmp_path):
+    run = launch({"ring_attention": dict(dtype="bfloat16", seq=8192, heads=4, head_dim=128)}, 2, "cuda",
+                 tmp_path)["ring_attention"]
+    for family in ("late_sink", "ramp"):
+        ring, single, exact = run[family + "_ring"], run[family + "_single"], run[family + "_reference"]
+        ring_cos_err, ring_abs = _error(ring, exact)
+        single_cos_err, single_abs = _error(single, exact)
+        print(f"\n{family}: ring vs exact 1-cos {ring_cos_err:.3g}, max-abs {ring_abs:.3g}; one GPU 1-cos "
+              f"{single_cos_err:.3g}, max-abs {single_abs:.3g}")
+        assert cosine_similarity(ring, exact) >= 0.999, family
+        assert ring_cos_err <= 1.5 * single_cos_err and ring_abs <= 1.5 * single_abs, family
+    assert all(s["fallback_q_tiles"] > 0 for s in run["late_sink_stats"])  # the speculation was tested
+    wrong_cos_err, _ = _error(run["ramp_ring_log2_lse"], run["ramp_reference"])
+    assert wrong_cos_err > 1.5 * _error(run["ramp_single"], run["ramp_reference"])[0]
