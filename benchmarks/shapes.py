@@ -35,3 +35,11 @@ SHAPES = {
         Shape("wan14b_720p", 1, 40, 75600, 75600, 128, note="Wan2.1-14B 720x1280, 81 frames"),
     ]
 }
+
+# Self-attention at growing sequence length (Wan2.1-1.3B's 12 heads of 128) for the TFLOP/s-against-
+# length plot (benchmarks/plot_seqlen.py).
+SWEEP = {
+    s.name: s
+    for s in [Shape(f"seq_{n}", 1, 12, n, n, 128, note="length sweep") for n in
+              (1024, 2048, 4096, 8192, 16384, 32760, 75600)]
+}
