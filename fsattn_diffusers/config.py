@@ -87,7 +87,7 @@ class FSAttnConfig:
         ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
         fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
         (SDPA), which is exact and, at that size, faster: fsattn's pre-passes and launches cost a
-        fixed ~0.5 ms. The default, 2.5e12, is the H200 crossover
+        fixed ~0.6 ms. The default, 2.5e12, is the H200 crossover
         (``benchmarks/results/2026-11-29_h200_seqlen_sweep.png``: fsattn is 0.96x of SDPA at 16384
         tokens x 12 heads (1.6e12), 1.09x at 32760 (6.6e12)); it sends cross-attention to a few
         hundred text tokens to SDPA. ``0`` runs every call on fsattn.

@@ -82,6 +82,10 @@ def fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return None, ""
 
 
+# Devices where small calls go to SDPA: the threshold was measured on CUDA GPUs (H200).
+ROUTED_DEVICE_TYPES = ("cuda",)
+
+
 def too_small_for_fsattn(query, key, layout, config, work_factor: int = 1) -> bool:
     """Whether SDPA beats fsattn at this size (a CUDA call under ``config.sdpa_below_flops`` FLOPs).
 
@@ -89,7 +93,7 @@ def too_small_for_fsattn(query, key, layout, config, work_factor: int = 1) -> bo
     Ulysses of degree u, a rank's shards become u times the sequence over 1/u of the heads: u
     times the work).
     """
-    if query.device.type != "cuda":
+    if query.device.type not in ROUTED_DEVICE_TYPES:
         return False  # the CPU emulation is a stand-in for the GPU kernel, not a speed choice
     threshold = (config if config is not None else DEFAULT_CONFIG).sdpa_below_flops
     return attention_flops(query, key, layout) * work_factor < threshold
@@ -227,11 +231,16 @@ def context_parallel_fallback_reason(query, key, value, attn_mask=None, dropout_
         return "cp_gqa", "unequal query and key head counts (diffusers' context-parallel attention refuses GQA)"
     if attn_mask is not None and ring_degree > 1:
         return "cp_ring_mask", _RING_MASK_DETAIL
+    if ring_degree > 1 and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value)):
+        # The ring's exact fallback op is forward-only too: no backend here can train through a ring.
+        return "cp_ring_autograd", ("inputs that require grad under ring attention (fsattn and its exact "
+                                    "fallback op are forward-only; use torch.no_grad() for inference)")
     return fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, "NHD")
 
 
 # Reasons no fallback can serve under context parallelism (see context_parallel_attention).
-_NO_CP_FALLBACK = ("cp_ring_mask", "is_causal", "cp_gqa")
+_NO_CP_FALLBACK = ("cp_ring_mask", "is_causal", "cp_gqa", "cp_ring_autograd")
 _RING_MASK_DETAIL = (
     "attn_mask with ring_degree > 1: diffusers' ring attention hands the same mask to every rank's key chunk, so "
     "no backend can apply a key mask correctly there (diffusers' native backend cannot run a ring at all); use "
@@ -362,12 +371,19 @@ def _sdpa_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_c
                                                            scale=scale).transpose(1, 2)
     if not return_lse:
         return out
+    # A ring never passes a mask here (context_parallel_attention refuses masks under a ring);
+    # the LSE below would ignore one.
+    assert attn_mask is None, "_sdpa_forward_op computes the LSE of unmasked attention only"
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    kf = k.float().transpose(-1, -2)
-    for i0 in range(0, q.shape[2], _LSE_ROWS):
-        s = torch.matmul(q[:, :, i0:i0 + _LSE_ROWS].float(), kf) * scale
-        lse[:, :, i0:i0 + _LSE_ROWS] = torch.logsumexp(s, dim=-1)
+    # One (batch, head) at a time and _LSE_ROWS query rows at a time: the float32 scores of a block
+    # stay at _LSE_ROWS x S_k (155 MB at Wan-14B 720p's 37800 keys per ring chunk).
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            kf = k[b, h].float().transpose(0, 1)
+            for i0 in range(0, q.shape[2], _LSE_ROWS):
+                s = torch.matmul(q[b, h, i0:i0 + _LSE_ROWS].float(), kf) * scale
+                lse[b, h, i0:i0 + _LSE_ROWS] = torch.logsumexp(s, dim=-1)
     return out, lse.transpose(1, 2)
 
 

@@ -7,6 +7,7 @@ the Triton kernels on a GPU, or the PyTorch emulation of their numerics on the C
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -87,7 +88,7 @@ def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
     kernel_args = dict(bias=bias, frozen=frozen, exp_mode=_EXP_MODES[float(cfg.exp_offload)],
                        pv_fp32=cfg.pv_accum == "fp32", rowsum_mma=cfg.rowsum == "mma",
                        block_m=launch.block_m, num_warps=launch.num_warps)
-    if cfg.kernel == "gluon" and _gluon_covers(q, out, kv, kernel_args):
+    if cfg.kernel == "gluon" and _gluon_covers(q, out, kv, dict(kernel_args, num_stages=launch.num_stages)):
         from .kernels.fsattn_fwd_gluon import fsattn_fwd_gluon
 
         fsattn_fwd_gluon(q, kv, out, lse, sm_scale=scale, block_m=launch.block_m, num_warps=launch.num_warps,
@@ -109,7 +110,9 @@ def _gluon_covers(q, out, kv, kernel_args) -> bool:
 def _gluon_module():
     try:
         from .kernels import fsattn_fwd_gluon
-    except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernel runs everything
+    except ImportError as err:  # a Triton without Gluon's Hopper API: the Triton kernel runs everything
+        logging.getLogger("fsattn_diffusers").warning(
+            "fsattn: the Gluon kernel cannot be imported (%s); kernel='gluon' runs the Triton kernel", err)
         return None
     return fsattn_fwd_gluon
 

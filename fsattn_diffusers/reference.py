@@ -92,7 +92,8 @@ def _round_half_away(x):
 
 def _masked_mean(x, key_weight):
     """Mean over the attended keys of x (B, H, S, D); all-masked rows give zeros."""
-    return (x * key_weight[:, None, :, None]).sum(2) / key_weight.sum(1).clamp_min(1.0)[:, None, None]
+    x = torch.where(key_weight[:, None, :, None] != 0, x, 0.0)  # 0 * inf would be NaN
+    return x.sum(2) / key_weight.sum(1).clamp_min(1.0)[:, None, None]
 
 
 def _quantize_k(k, key_weight, config, block_n):

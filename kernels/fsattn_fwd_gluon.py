@@ -178,8 +178,8 @@ def _fsattn_fwd_gluon_kernel(
          + gl.expand_dims(gl.where(attended, 1.0, 0.0), 1) * gl.expand_dims(v_mean, 0))
     rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows_layout)
     io_mask = gl.expand_dims(rows < seq_q, 1) & gl.expand_dims(rd < head_dim, 0)
-    offs = (b.to(gl.int64) * stride_ob + gl.expand_dims(rows.to(gl.int64), 1) * stride_os + h * stride_oh
-            + gl.expand_dims(rd, 0))
+    offs = (b.to(gl.int64) * stride_ob + gl.expand_dims(rows.to(gl.int64), 1) * stride_os
+            + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
     gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
     shift = m - 8.0
@@ -192,11 +192,16 @@ def _fsattn_fwd_gluon_kernel(
     gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
 
 
-def supports(kv, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps) -> bool:
-    """Whether the Gluon kernel covers this call (else the Triton kernel runs it)."""
+def supports(kv, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
+    """Whether the Gluon kernel covers this call (else the Triton kernel runs it).
+
+    Only the tiles it was tested with: 64 x 128, one warpgroup, 2 to 4 pipeline stages. With one
+    stage the loop would wait for a tile it issues only later (a hang); more than four do not fit
+    shared memory at head dim 128.
+    """
     return (bias is None and frozen == 0 and exp_mode == 0 and not pv_fp32 and rowsum_mma
-            and kv.k_per_token and kv.v_t.dtype == torch.float8_e4m3fn and block_m == 64 and num_warps == 4
-            and kv.key_weight.shape[1] == ROWSUM_COLS)
+            and kv.k_per_token and kv.v_t.dtype == torch.float8_e4m3fn and block_m == 64 and kv.block_n == 128
+            and num_warps == 4 and 2 <= num_stages <= 4 and kv.key_weight.shape[1] == ROWSUM_COLS)
 
 
 def _descriptor(t2d: torch.Tensor, block_shape, dtype) -> TensorDescriptor:
@@ -205,7 +210,13 @@ def _descriptor(t2d: torch.Tensor, block_shape, dtype) -> TensorDescriptor:
 
 
 def fsattn_fwd_gluon(q, kv, out, lse, *, sm_scale, block_m=64, num_warps=4, num_stages=3):
-    """Quantise Q and launch the Gluon kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`."""
+    """Quantise Q and launch the Gluon kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`.
+
+    Callers check :func:`supports` first; a call outside it raises here rather than hang the GPU.
+    """
+    if not 2 <= num_stages <= 4 or block_m != 64 or num_warps != 4 or kv.block_n != 128:
+        raise ValueError(f"the Gluon kernel takes 64 x 128 tiles, 4 warps and 2-4 stages; got block_m={block_m}, "
+                         f"block_n={kv.block_n}, num_warps={num_warps}, num_stages={num_stages}")
     bsz, seq_q, n_q_heads, head_dim = q.shape
     _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
     qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m)

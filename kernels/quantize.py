@@ -184,24 +184,27 @@ def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
     bsz, _, heads, dim = k.shape
     dev = k.device
 
+    keep = None if key_weight is None else (key_weight != 0)[:, :, None, None]
+
     def mean(x):
-        if key_weight is None:
+        if keep is None:
             return torch.mean(x, dim=1, dtype=torch.float32)
         count = key_weight.sum(dim=1).clamp_min(1.0)[:, None, None]  # all-masked rows get zeros
-        return torch.einsum("bshd,bs->bhd", x, key_weight.to(x.dtype)).float() / count
+        # Masked entries are selected away, not multiplied by 0: an inf or NaN in a padding
+        # token must not reach the mean (0 * inf is NaN).
+        return torch.where(keep, x, 0).sum(dim=1, dtype=torch.float32) / count
 
     zeros = torch.zeros(bsz, heads, dim, dtype=torch.float32, device=dev)
     k_mean = mean(k) if smooth_k else zeros
     v_mean = mean(v) if (smooth_v and v_fp8) else zeros
     if v_fp8:
-        if key_weight is None:
+        if keep is None:
             v_min, v_max = torch.aminmax(v, dim=1)
         else:
             # The range of the attended keys only: masked keys are zeroed in the quantised V, and
-            # a large padding value must not coarsen every attended key's FP8 grid.
-            keep = (key_weight != 0)[:, :, None, None]
-            v_max = torch.where(keep, v, float("-inf")).amax(dim=1)
-            v_min = torch.where(keep, v, float("inf")).amin(dim=1)
+            # a large padding value must not coarsen every attended key's FP8 grid. Masked entries
+            # take the channel mean, which leaves the range as it is: one copy, one pass.
+            v_min, v_max = torch.aminmax(torch.where(keep, v, v_mean[:, None].to(v.dtype)), dim=1)
         v_amax = torch.maximum(v_max.float() - v_mean, v_mean - v_min.float()).clamp_min(1e-20)
         v_scale = v_amax / FP8_E4M3_MAX
     else:

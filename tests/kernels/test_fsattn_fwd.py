@@ -137,20 +137,26 @@ def test_masks(kernel_path, family):
 
 
 @pytest.mark.parametrize("path", ["interpreter", "emulation"])
-def test_masked_key_values_change_nothing(monkeypatch, path):
+@pytest.mark.parametrize("garbage", ["large", "inf", "nan"])
+def test_masked_key_values_change_nothing(monkeypatch, path, garbage):
     # Masked keys must not widen V's FP8 grid: a padding token of large value (HunyuanVideo pads
-    # its prompt) would otherwise coarsen every attended key's V. Found by the GPU test of the
-    # Gluon kernel; the pre-pass and the emulation now take V's range over attended keys only.
+    # its prompt) would otherwise coarsen every attended key's V (found by the Gluon kernel's GPU
+    # test). Nor may an inf or NaN there reach the K and V means (0 * inf is NaN).
     monkeypatch.setattr(fsattn_ops, "CPU_PATH", path)
     gen = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(2, s, 2, 64, generator=gen) for s in (40, 150, 150))
     mask = torch.ones(2, 1, 1, 150, dtype=torch.bool)
     mask[0, ..., 120:] = False
     out = fsattn(q, k, v, attn_mask=mask)
-    loud = v.clone()
-    loud[0, 120:] += 100.0
-    out_loud = fsattn(q, k, loud, attn_mask=mask)
-    assert rel_l1(out_loud, out) < 1e-6
+    k_bad, v_bad = k.clone(), v.clone()
+    if garbage == "large":
+        v_bad[0, 120:] += 100.0
+        k_bad[0, 120:] *= 50.0
+    else:
+        v_bad[0, 120:] = k_bad[0, 120:] = float(garbage)
+    out_bad = fsattn(q, k_bad, v_bad, attn_mask=mask)
+    assert torch.isfinite(out_bad).all()
+    assert rel_l1(out_bad, out) < 1e-6
     assert cosine(out, attention_reference(q, k, v, mask)[0]) > 0.999
 
 
