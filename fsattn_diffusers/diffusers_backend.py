@@ -82,6 +82,15 @@ def fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return None, ""
 
 
+def as_key_padding_mask(attn_mask, query, key):
+    """A 2-D ``(batch, keys)`` mask as ``(batch, 1, 1, keys)`` (diffusers' convention, as in its
+    native backend); any other mask as it is. Tensors are ``(B, S, H, D)``."""
+    if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
+            and attn_mask.shape[1] == key.shape[1]):
+        return attn_mask[:, None, None, :]
+    return attn_mask
+
+
 # Devices where small calls go to SDPA: the threshold was measured on CUDA GPUs (H200).
 ROUTED_DEVICE_TYPES = ("cuda",)
 
@@ -203,13 +212,9 @@ def _fsattn_attention(
         return context_parallel_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, _parallel_config,
             config=options["config"], strict=options["strict"], where=where + " (context parallel)", fallback=sdpa)
-    if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
-            and attn_mask.shape[1] == key.shape[1]):
-        # diffusers' convention (as in its native backend): a 2-D mask is (batch, keys).
-        attn_mask = attn_mask[:, None, None, :]
     return attention_or_fallback(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout="NHD",
-        config=options["config"], strict=options["strict"], where=where, fallback=sdpa)
+        query, key, value, as_key_padding_mask(attn_mask, query, key), dropout_p, is_causal, scale, enable_gqa,
+        layout="NHD", config=options["config"], strict=options["strict"], where=where, fallback=sdpa)
 
 
 _fsattn_attention._fsattn_diffusers_backend = True  # marks our function across module reloads
@@ -280,9 +285,7 @@ def context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causa
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
     ring_degree = parallel_config.context_parallel_config.ring_degree
-    if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
-            and attn_mask.shape[1] == key.shape[1]):
-        attn_mask = attn_mask[:, None, None, :]  # diffusers' convention: a 2-D mask is (batch, keys)
+    attn_mask = as_key_padding_mask(attn_mask, query, key)
     reason, detail = context_parallel_fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
                                                       ring_degree=ring_degree)
 

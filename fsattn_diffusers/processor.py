@@ -32,7 +32,8 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from . import families
 from .attention import UnsupportedInputError
 from .config import FSAttnConfig
-from .diffusers_backend import attention_or_fallback, context_parallel_attention, note_fallback
+from .diffusers_backend import (as_key_padding_mask, attention_or_fallback, context_parallel_attention,
+                                note_fallback)
 
 # Set on generic attention modules once the processor diffusers gives them is known.
 OWN_PROCESSOR_ATTR = "_fsattn_own_processor_cls"
@@ -87,12 +88,9 @@ class AttentionRoute:
             return context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                               parallel_config, config=self.config, strict=self.strict,
                                               where=self.where + " (context parallel)", fallback=original)
-        if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
-                and attn_mask.shape[1] == key.shape[1]):
-            attn_mask = attn_mask[:, None, None, :]  # diffusers' convention: a 2-D mask is (batch, keys)
-        return attention_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                     layout="NHD", config=self.config, strict=self.strict, where=self.where,
-                                     fallback=original)
+        return attention_or_fallback(query, key, value, as_key_padding_mask(attn_mask, query, key), dropout_p,
+                                     is_causal, scale, enable_gqa, layout="NHD", config=self.config,
+                                     strict=self.strict, where=self.where, fallback=original)
 
     def scaled_dot_product_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                      scale=None, enable_gqa=False):
