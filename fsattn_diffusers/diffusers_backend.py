@@ -108,6 +108,15 @@ def too_small_for_fsattn(query, key, layout, config, work_factor: int = 1) -> bo
     return attention_flops(query, key, layout) * work_factor < threshold
 
 
+def _run_small_call(where: str, backend: str, fallback):
+    """Run a call below ``sdpa_below_flops`` on `fallback`. A performance choice, not a refusal:
+    strict mode does not object, it is logged at info, and counted as ``small_problem``."""
+    note_backend(where + " (below FSAttnConfig.sdpa_below_flops)", backend)
+    if not torch.compiler.is_compiling():
+        record_sdpa_fallback("small_problem")
+    return fallback()
+
+
 def attention_flops(query, key, layout) -> float:
     """``4 * B * Hq * Sq * Sk * D``: the two GEMMs of non-causal attention."""
     seq_axis = 1 if layout == "NHD" else 2
@@ -135,11 +144,7 @@ def attention_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, sc
     """
     reason, detail = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout)
     if reason is None and too_small_for_fsattn(query, key, layout, config):
-        # A performance choice, not a refusal: strict mode does not object, and it is logged at info.
-        note_backend(where + " (below FSAttnConfig.sdpa_below_flops)", "SDPA")
-        if not torch.compiler.is_compiling():
-            record_sdpa_fallback("small_problem")
-        return fallback()
+        return _run_small_call(where, "SDPA", fallback)
     if reason is None:
         try:
             out = fsattn(query, key, value, attn_mask=attn_mask, scale=scale, layout=layout, config=config)
@@ -299,10 +304,7 @@ def context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causa
         # Ulysses gathers the whole sequence, so this rank's problem is the full-length one over
         # fewer heads; when even that is small, the original backend's own path is faster. (A ring
         # needs the LSE, which diffusers' native op cannot give: it stays on fsattn.)
-        note_backend(where + " (below FSAttnConfig.sdpa_below_flops)", "the original backend")
-        if not torch.compiler.is_compiling():
-            record_sdpa_fallback("small_problem")
-        return fallback()
+        return _run_small_call(where, "the original backend", fallback)
     if reason is None:
         note_backend(where, "fsattn")
         return templated(functools.partial(_fsattn_forward_op, config=config))
