@@ -33,6 +33,7 @@ from fsattn_diffusers.reference import attention_reference  # noqa: E402
 VARIANTS = {
     "default": {},
     "online": {"max_policy": "online"},
+    "sampled": {"max_policy": "sampled"},
     "recompute": {"on_violation": "recompute"},
     "pv16": {"pv_format": "16bit"},
     "fp8": {"pv_format": "fp8_e4m3"},

@@ -60,7 +60,8 @@ def compile_variant(frozen, exp_mode, k_per_token, pv, pv_fp32, rowsum_mma, has_
         if name in constexprs and name not in sig:
             sig[name] = "constexpr"
     # 16-byte alignment of every pointer and of the strides that are multiples of 16, as at run time.
-    aligned = [[i] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("s_pad", "q_pad")]
+    aligned = [[i] for i, n in enumerate(kernel.arg_names)
+               if n.endswith("_ptr") or n in ("s_pad", "q_pad", "stride_wb", "stride_biasb")]
     src = ASTSource(kernel, sig, constexprs, attrs={(i[0],): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 

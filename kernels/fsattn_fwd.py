@@ -13,11 +13,11 @@ Per query tile of BLOCK_M rows of one head, with Q, K and V already quantised by
    their new ``g``, the accumulators are rescaled once and the tile's P recomputed; or
    (``FROZEN == 1``) the whole query tile is redone with the online softmax after the pass.
    Query tiles that needed either are counted with an atomic add.
-3. The score GEMM's INT32 accumulator starts at the bit pattern of ``1.5 * 2**23``: for any
-   ``|acc| < 2**22`` (true for INT8 dot products over at most 128 channels) the result,
-   reinterpreted as FP32, is exactly ``1.5 * 2**23 + acc``. The int-to-float conversion (16/clk
-   on sm_90, as slow as the exponential) becomes free, and the dequantisation, the magic
-   offset and the frozen-max subtraction all ride in one FMA per score.
+3. The max subtraction rides in the dequantising FMA: the row max is taken on the undequantised
+   INT32-converted scores (the per-row scale is positive), then one FMA per score gives
+   ``s - m + 8``. (Starting the INT32 accumulator at the bits of 1.5 * 2**23, so that a bitcast
+   replaces the int-to-float conversion, was the first version; it measured 3-5 % slower on the
+   H200, benchmarks/NOTES.md v5b.)
 4. Exponential fused with the FP8 quantisation of P: either the special-function unit
    (``exp2``, then a saturating conversion) or bit arithmetic on the FMA pipes that writes the
    e4m3 byte directly (Schraudolph's linear exponent with a quadratic correction of the
@@ -46,9 +46,12 @@ from .quantize import quantize_q
 # Globals a @triton.jit function reads must be tl.constexpr.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# Bits of 1.5 * 2**23: the float with this pattern plus a small integer n reads as 1.5 * 2**23 + n.
-MAGIC_BITS = tl.constexpr(0x4B400000)
+# 1.5 * 2**23: adding it to a float below 2**22 in magnitude rounds that float to an integer in
+# the low mantissa bits (the bit-level exponential's floor and byte extraction).
 MAGIC_FLOAT = tl.constexpr(12582912.0)
+# log2 of the largest P a frozen max may produce: 2**8.75 < 448, FP8 e4m3's top
+# (fsattn_diffusers/config.py's P_LOG2_CEILING).
+P_LOG2_CEILING = tl.constexpr(8.75)
 # Quadratic correction of the linear (Schraudolph) exponent: 2**f - 1 - f ~= -KAPPA f (1 - f)
 # on [0, 1); the residual is below 0.004 of the mantissa, far under FP8's rounding step.
 EXP_KAPPA = tl.constexpr(0.3431)
@@ -72,16 +75,15 @@ def _prescores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off,
     rk = key_off + tl.arange(0, KEYS)
     rd = tl.arange(0, D_PAD)
     k8 = tl.load(kq_ptr + kq_base + rk[:, None] * D_PAD + rd[None, :])
-    acc = tl.full((BLOCK_M, KEYS), MAGIC_BITS, tl.int32)
-    acc = tl.dot(q8, tl.trans(k8), acc=acc, out_dtype=tl.int32)
-    acc_f = acc.to(tl.float32, bitcast=True)  # == MAGIC_FLOAT + acc, exactly
+    # A plain INT32 -> FP32 conversion. Starting the accumulator at the bits of 1.5 * 2**23 so that a
+    # bitcast replaced it (DESIGN move 3's trick) measured 3-5 % slower on the H200: initialising
+    # the accumulator costs more than the conversion saves (benchmarks/NOTES.md v5b).
+    acc_f = tl.dot(q8, tl.trans(k8), out_dtype=tl.int32).to(tl.float32)
     if K_PER_TOKEN:
-        # The key scale, with the magic offset folded into a per-key addend: one FMA.
         ks = tl.load(ks_ptr + ks_base + rk)
-        pre = acc_f * ks[None, :] - (ks * MAGIC_FLOAT)[None, :]
-        return pre, qs, tl.zeros_like(qs)
+        return acc_f * ks[None, :], qs, tl.zeros_like(qs)
     c = qs * tl.load(ks_ptr + ks_base + tile)
-    return acc_f, c, -(c * MAGIC_FLOAT)
+    return acc_f, c, tl.zeros_like(c)
 
 
 @triton.jit
@@ -126,7 +128,9 @@ def _pv_and_rowsum(p_lo, p, vt_ptr, vt_base, w_ptr, w_base, key_off, s_pad, acc_
         # Always added in FP32: chained through Hopper's FP8 accumulator (about 14 bits) over
         # hundreds of tiles, the row sum lost half its value at S = 32760 (benchmarks/NOTES.md).
         # Only column 0 of the (rows, ROWSUM_COLS) product is non-zero; reducing it right away keeps
-        # one register per row alive across the loop instead of the whole tile.
+        # one register per row alive across the loop instead of the whole tile. (Reducing it one
+        # tile later, so that Triton leaves PV running into the next tile's score GEMM, measured
+        # 2-6 % slower: benchmarks/NOTES.md v6.)
         rc = tl.arange(0, ROWSUM_COLS)
         w = tl.load(w_ptr + w_base + rc[:, None] * s_pad + rk[None, :])
         l_tile = dot_lowp(p_lo, tl.trans(w), tl.zeros((BLOCK_M, ROWSUM_COLS), tl.float32), SOFT_ROUND)
@@ -260,7 +264,7 @@ def _fsattn_fwd_kernel(
 
     if FROZEN:
         # --- speculative pass: the frozen max is the max of two sampled key tiles ---------------
-        p_offset = 8.75 - max_threshold
+        p_offset = P_LOG2_CEILING - max_threshold
         zero = tl.zeros((BLOCK_M,), tl.float32)
         diag = (pid_m * n_tiles) // tl.cdiv(seq_q, BLOCK_M)
         x0 = _scores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, 0, 0, zero, bias_ptr, bias_base,

@@ -36,9 +36,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .quantize import quantize_q
 
-# Bits of 1.5 * 2**23: INT32 accumulator start that makes the result read as 1.5 * 2**23 + acc.
-MAGIC_BITS = gl.constexpr(0x4B400000)
-MAGIC_FLOAT = gl.constexpr(12582912.0)
 LN2 = gl.constexpr(0.6931471805599453)
 ROWSUM_COLS = 16
 ROWSUM_N = gl.constexpr(ROWSUM_COLS)
@@ -57,10 +54,9 @@ def _issue_tile_loads(k_desc, vt_desc, w_desc, k_smem, vt_smem, w_smem, bars, ti
 
 @gluon.jit
 def _softmax_tile(s_bits, ks, qs, m):
-    """P = 2**(s - m_new + 8) from the magic-offset INT32 scores; returns (P fp32, m_new, alpha)."""
-    s_f = s_bits.to(gl.float32, bitcast=True)  # == 1.5 * 2**23 + (q8 . k8), exactly
-    # Per-key K scale with the magic offset folded into a per-key addend: one FMA per score.
-    pre = s_f * gl.expand_dims(ks, 0) - gl.expand_dims(ks * MAGIC_FLOAT, 0)
+    """P = 2**(s - m_new + 8) from the INT32 scores; returns (P fp32, m_new, alpha)."""
+    # A plain conversion, as in the Triton kernel (the magic accumulator start measured slower there).
+    pre = s_bits.to(gl.float32) * gl.expand_dims(ks, 0)
     # The row max of the undequantised scores (qs > 0), so the subtraction rides in the next FMA.
     m_new = gl.maximum(m, gl.max(pre, 1) * qs)
     p = gl.exp2(pre * gl.expand_dims(qs, 1) + gl.expand_dims(8.0 - m_new, 1))
@@ -118,14 +114,14 @@ def _fsattn_fwd_gluon_kernel(
 
     cols = gl.arange(0, BLOCK_N, layout=col_layout)
     qs = gl.load(qs_ptr + q_row + gl.arange(0, BLOCK_M, layout=row_layout))
-    magic = gl.full([BLOCK_M, BLOCK_N], MAGIC_BITS, gl.int32, layout=s_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, layout=s_layout)
     l_zero = gl.zeros([BLOCK_M, ROWSUM_N], gl.float32, layout=l_layout)
     ks = gl.load(ks_ptr + kv_row + cols)
 
     # Tile 0: scores, softmax; its PV is issued in the first iteration.
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(bars.index(0), 0)
-    s_bits = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), magic)
+    s_bits = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
     m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     p, m, alpha = _softmax_tile(s_bits, ks, qs, m)
     p8 = gl.convert_layout(p.to(gl.float8e4nv), p_o_layout)
@@ -138,7 +134,7 @@ def _fsattn_fwd_gluon_kernel(
         # This tile's key scales, issued before the GEMMs so that they hide the load's latency.
         ks = gl.load(ks_ptr + kv_row + tile * BLOCK_N + cols)
         mbarrier.wait(bars.index(stage), (tile // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), magic, is_async=True)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(prev).permute((1, 0)), acc, is_async=True)
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(prev).permute((1, 0)), l_zero,
                               use_acc=False, is_async=True)

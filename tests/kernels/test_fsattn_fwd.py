@@ -118,13 +118,21 @@ def test_grouped_query_attention(kernel_path):
     assert cosine(swapped, ref) < 0.9
 
 
-@pytest.mark.parametrize("family", ["masked_keys", "fully_masked", "underflow"])
-def test_masks(kernel_path, family):
+@pytest.mark.parametrize("policy", ["online", "sampled"])
+@pytest.mark.parametrize("family,mask_kind", [("masked_keys", "bool"), ("masked_keys", "additive"),
+                                              ("fully_masked", "bool"), ("fully_masked", "additive"),
+                                              ("underflow", "additive")])
+def test_masks(kernel_path, family, mask_kind, policy):
     gen = torch.Generator().manual_seed(5)
     q, k, v, mask = make_family(family, 2, 40, 230, 2, 64, dtype=torch.float32, generator=gen)
-    out, lse = fsattn(q, k, v, attn_mask=mask, return_lse=True)
+    if mask.dtype == torch.bool and mask_kind == "additive":
+        # A float mask takes the kernel's additive-bias path: -inf where masked, a finite tilt elsewhere.
+        tilt = torch.linspace(-2.0, 2.0, mask.shape[-1])
+        mask = torch.where(mask, tilt, float("-inf"))
+    cfg = FSAttnConfig(max_policy=policy)
+    out, lse = fsattn(q, k, v, attn_mask=mask, return_lse=True, config=cfg)
     ref, ref_lse = attention_reference(q, k, v, mask)
-    emu, emu_lse, _ = _emulate(q, k, v, mask, FSAttnConfig())
+    emu, emu_lse, _ = _emulate(q, k, v, mask, cfg)
     assert torch.isfinite(out).all()
     # Scores 1000 below zero carry fp32 rounding of ~1e-4 in the order the kernel adds them.
     assert rel_l1(out, emu) < 1e-3
