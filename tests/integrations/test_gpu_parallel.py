@@ -18,26 +18,32 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2,
                                  reason=f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")]
 
-WAN_1_3B_LAYERS = 30
+# (built-in model, latent (frames, height, width), transformer blocks): 1.3B at 33 frames of 480x832
+# (14,040 video tokens), 14B at 81 frames of 720x1280 (75,600 tokens, ~2 min on two GPUs).
+WAN_CASES = {
+    "wan21_1.3b_480p_33f": ("wan2.1-t2v-1.3b", (9, 60, 104), 30),
+    "wan21_14b_720p_81f": ("wan2.1-t2v-14b", (21, 90, 160), 40),
+}
 
 
-def test_wan21_1_3b_under_ulysses_and_ring_matches_one_gpu(tmp_path):
-    # The real Wan2.1-T2V-1.3B config, random weights, bf16; 33 frames at 480x832 (latents
-    # 9 x 60 x 104: 14,040 video tokens) and the real 512 text tokens.
-    options = dict(model="wan2.1-t2v-1.3b", dtype="bfloat16", latent=(9, 60, 104), text_tokens=512,
+@pytest.mark.parametrize("case", list(WAN_CASES))
+def test_wan21_under_ulysses_and_ring_matches_one_gpu(tmp_path, case):
+    # The real Wan2.1-T2V config, random weights, bf16, the real 512 text tokens.
+    model, latent, layers = WAN_CASES[case]
+    options = dict(model=model, dtype="bfloat16", latent=latent, text_tokens=512,
                    layouts={"ulysses": (2, 1), "ring": (1, 2)})
     result = launch({"wan_model": options}, 2, "cuda", tmp_path)["wan_model"]
     single, sdpa = result["single_fsattn"], result["single_native"]
-    print(f"\nWan2.1-1.3B one GPU: fsattn vs SDPA cosine {cosine_similarity(single, sdpa):.6f}")
+    print(f"\n{case} one GPU: fsattn vs SDPA cosine {cosine_similarity(single, sdpa):.6f}")
     for name, ring_steps in (("ulysses", 1), ("ring", 2)):
         out = result[name]
-        print(f"{name}: cosine vs one-GPU fsattn {cosine_similarity(out, single):.6f}, vs SDPA "
+        print(f"{case} {name}: cosine vs one-GPU fsattn {cosine_similarity(out, single):.6f}, vs SDPA "
               f"{cosine_similarity(out, sdpa):.6f}; max-abs vs fsattn {max_abs(out, single):.4g}, "
               f"one-GPU fsattn vs SDPA {max_abs(single, sdpa):.4g}")
         assert cosine_similarity(out, single) >= 0.9999
         assert cosine_similarity(out, sdpa) >= 0.999
         for rank_stats in result[name + "_stats"]:
-            assert rank_stats["calls"] == {"kernel": WAN_1_3B_LAYERS * (ring_steps + 1)}
+            assert rank_stats["calls"] == {"kernel": layers * (ring_steps + 1)}
             assert rank_stats["sdpa_fallbacks"] == {}
 
 
