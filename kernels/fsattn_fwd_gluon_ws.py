@@ -1,0 +1,318 @@
+"""The online fused-softmax forward in Gluon for Hopper, warp-specialised: one producer warp feeds
+two consumer warpgroups that share each K/V tile (experiment, benchmarks/NOTES.md v7).
+
+Why: the Triton kernel runs one warpgroup per program, two programs per SM, each issuing its own
+loads (address arithmetic and ``cp.async`` in the softmax's instruction stream) and meeting a
+program-wide ``bar.sync`` every tile; NOTES v6 found its loop bound by those waits, not by a unit.
+Here, per program of 2 x 64 query rows:
+
+    producer (1 warp, few registers)   for each key tile: wait until both consumers released the
+                                       ring stage, then TMA K, V^T and the row-sum weights into it
+    consumer w (4 warps, w = 0, 1)     its 64 rows of Q (TMA), then per key tile: wait for the
+                                       stage, S = Q K^T (INT8 wgmma), online softmax (same
+                                       numerics as the Triton kernel's online pass), rescale,
+                                       O += P V and l += P W (FP8 wgmma), wait, release the stage
+
+The two consumers run unsynchronised with each other; each waits only on mbarriers, so one's
+softmax overlaps the other's GEMMs without a program-wide barrier. Same configuration coverage as
+``fsattn_fwd_gluon`` (per-key K scales, FP8 V, tensor-core row sum, no float bias). Gluon does
+not run in Triton's interpreter: the GPU tests exercise it.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .fsattn_fwd_gluon import LN2, ROWSUM_COLS, ROWSUM_N, _descriptor, _softmax_tile
+from .quantize import quantize_q
+
+CONSUMER_ROWS = 64  # rows per consumer warpgroup (one m64 wgmma)
+CONSUMERS = 2
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
+              q_row, kv_row, vt_row, w_row, n_tiles):
+    # Sizes from the shared-memory shapes (constexpr; warp_specialize passes arguments as values).
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bars.index(c), q_smem.index(c))
+    for tile in range(n_tiles):
+        stage = tile % STAGES
+        # A fresh mbarrier counts as having completed the phase before its first (parity 1), so
+        # the first lap over the ring does not wait.
+        mbarrier.wait(empty.index(stage), ((tile // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + tile * BLOCK_N, 0], bar, k_smem.index(stage))
+        tma.async_copy_global_to_shared(vt_desc, [vt_row, tile * BLOCK_N], bar, vt_smem.index(stage))
+        tma.async_copy_global_to_shared(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
+              qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
+              q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh):
+    ROWS: gl.constexpr = 64
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    D_PAD: gl.constexpr = k_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D_PAD, 32])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 16, 32])
+    p_o_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    my_row = q_row + c * ROWS
+    cols = gl.arange(0, BLOCK_N, layout=col_layout)
+    qs = gl.load(qs_ptr + my_row + gl.arange(0, ROWS, layout=row_layout))
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.int32, layout=s_layout)
+    l_zero = gl.zeros([ROWS, ROWSUM_N], gl.float32, layout=l_layout)
+    acc = gl.zeros([ROWS, D_PAD], gl.float32, layout=o_layout)
+    l_acc = gl.zeros([ROWS], gl.float32, layout=row_layout)
+    m = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    q_tile = q_smem.index(c)
+    mbarrier.wait(q_bars.index(c), 0)
+
+    for tile in range(n_tiles):
+        stage = tile % STAGES
+        # The key scales first: their load's latency hides behind the wait and the score GEMM.
+        ks = gl.load(ks_ptr + kv_row + tile * BLOCK_N + cols)
+        mbarrier.wait(ready.index(stage), (tile // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False)
+        # Max of the undequantised scores (qs > 0), then one FMA gives s - m + 8, as in the Triton kernel.
+        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
+        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+        p = gl.exp2(pre * gl.expand_dims(qs, 1) + gl.expand_dims(8.0 - m_new, 1))
+        alpha = gl.exp2(m - m_new)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_o_layout)
+        o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
+                              use_acc=False, is_async=True)
+        acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
+        mbarrier.arrive(empty.index(stage), count=1)  # this warpgroup is done with the stage
+        l_acc = l_acc * alpha + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+        m = m_new
+
+    _epilogue(c, acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, bh_q, bh_kv, row0, b, h,
+              seq_q, head_dim, stride_ob, stride_os, stride_oh)
+
+
+@gluon.jit
+def _epilogue(c: gl.constexpr, acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, bh_q, bh_kv,
+              row0, b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh):
+    """Normalise, undo V's scale and mean, write O and the natural-log LSE of this warpgroup's rows."""
+    ROWS: gl.constexpr = acc.shape[0]
+    D_PAD: gl.constexpr = acc.shape[1]
+    o_layout: gl.constexpr = acc.type.layout
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_layout: gl.constexpr = l_acc.type.layout
+    o_cols_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
+    l_o = gl.convert_layout(l_acc, o_row_layout)
+    attended = l_o > 0.0
+    inv_l = gl.where(attended, 1.0 / gl.where(attended, l_o, 1.0), 0.0)
+    rd = gl.arange(0, D_PAD, layout=o_cols_layout)
+    v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
+    v_mean = gl.load(v_mean_ptr + bh_kv * D_PAD + rd)
+    o = (acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(v_scale, 0)
+         + gl.expand_dims(gl.where(attended, 1.0, 0.0), 1) * gl.expand_dims(v_mean, 0))
+    rows = row0 + c * ROWS + gl.arange(0, ROWS, layout=o_row_layout)
+    io_mask = gl.expand_dims(rows < seq_q, 1) & gl.expand_dims(rd < head_dim, 0)
+    offs = (b.to(gl.int64) * stride_ob + gl.expand_dims(rows.to(gl.int64), 1) * stride_os
+            + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
+    gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    att_r = l_acc > 0.0
+    lse = gl.where(att_r, (m - 8.0 + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2
+                   + gl.load(qkm_ptr + my_row + gl.arange(0, ROWS, layout=row_layout)), float("-inf"))
+    lse_rows = row0 + c * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
+
+
+@gluon.jit
+def _consumer_pingpong(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
+                       qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
+                       q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
+                       stride_oh):
+    """As `_consumer`, with the two warpgroups taking turns at the tensor cores (FlashAttention-3's
+    ping-pong): a warpgroup issues PV of tile j and the score GEMM of tile j + 1 together, only in
+    its turn, then hands the turn over and waits for PV while the other issues; its softmax of
+    tile j + 1 then runs while the other's GEMMs do."""
+    ROWS: gl.constexpr = 64
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    D_PAD: gl.constexpr = k_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D_PAD, 32])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 16, 32])
+    p_o_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # Warpgroup 0 takes the first turn: its first wait is on the parity a fresh mbarrier has done.
+    FIRST: gl.constexpr = 1 if c == 0 else 0
+
+    my_row = q_row + c * ROWS
+    cols = gl.arange(0, BLOCK_N, layout=col_layout)
+    qs = gl.load(qs_ptr + my_row + gl.arange(0, ROWS, layout=row_layout))
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.int32, layout=s_layout)
+    l_zero = gl.zeros([ROWS, ROWSUM_N], gl.float32, layout=l_layout)
+    acc = gl.zeros([ROWS, D_PAD], gl.float32, layout=o_layout)
+    l_acc = gl.zeros([ROWS], gl.float32, layout=row_layout)
+    m = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    q_tile = q_smem.index(c)
+    mbarrier.wait(q_bars.index(c), 0)
+
+    ks = gl.load(ks_ptr + kv_row + cols)
+    mbarrier.wait(ready.index(0), 0)
+    mbarrier.wait(turn.index(c), FIRST)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - c), count=1)
+    for tile in range(n_tiles - 1):
+        stage = tile % STAGES
+        nxt = tile + 1
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        p, m, alpha = _softmax_tile(s, ks, qs, m)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_o_layout)
+        ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
+        l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
+                              use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        mbarrier.arrive(turn.index(1 - c), count=1)
+        # Groups retire in order: with one left in flight, the row sum and PV are done.
+        acc, l_tile = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok, l_tok))
+        mbarrier.arrive(empty.index(stage), count=1)
+        l_acc = l_acc * alpha + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+
+    last = n_tiles - 1
+    stage = last % STAGES
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    p, m, alpha = _softmax_tile(s, ks, qs, m)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_o_layout)
+    mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
+    l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
+                          use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    mbarrier.arrive(turn.index(1 - c), count=1)
+    acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
+    mbarrier.arrive(empty.index(stage), count=1)
+    l_acc = l_acc * alpha + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+    _epilogue(c, acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, bh_q, bh_kv, row0, b, h,
+              seq_q, head_dim, stride_ob, stride_os, stride_oh)
+
+
+@gluon.jit
+def _fsattn_fwd_gluon_ws_kernel(
+    q_desc, k_desc, vt_desc, w_desc,
+    qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
+    seq_q, q_pad, head_dim, n_q_heads, group, n_tiles, s_pad, w_rows_per_batch,
+    stride_ob, stride_os, stride_oh,
+    BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    bh_q = b * n_q_heads + h
+    bh_kv = b * (n_q_heads // group) + h // group
+    row0 = pid_m * 128
+    q_row = bh_q * q_pad + row0
+    kv_row = bh_kv * s_pad
+    vt_row = bh_kv * D_PAD
+    w_row = b * w_rows_per_batch
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
+    vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, ROWSUM_N, BLOCK_N], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+
+    if PINGPONG:
+        consumer_args = (q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
+                         qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
+                         q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
+                         stride_oh)
+        gl.warp_specialize([
+            (_consumer_pingpong, (0,) + consumer_args),
+            (_consumer_pingpong, (1,) + consumer_args),
+            (_producer, (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
+                         q_row, kv_row, vt_row, w_row, n_tiles)),
+        ], [4, 4], [CONSUMER_REGS, 24])
+    else:
+        consumer_args = (q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
+                         qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
+                         q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
+                         stride_oh)
+        gl.warp_specialize([
+            (_consumer, (0,) + consumer_args),
+            (_consumer, (1,) + consumer_args),
+            (_producer, (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
+                         q_row, kv_row, vt_row, w_row, n_tiles)),
+        ], [4, 4], [CONSUMER_REGS, 24])
+
+
+def supports(kv, bias, frozen, exp_mode, pv_fp32, rowsum_mma, num_stages) -> bool:
+    """Whether this kernel covers the call: the default numerics, 128-key tiles, 2-4 stages."""
+    import torch
+
+    return (bias is None and frozen == 0 and exp_mode == 0 and not pv_fp32 and rowsum_mma
+            and kv.k_per_token and kv.v_t.dtype == torch.float8_e4m3fn and kv.block_n == 128
+            and 2 <= num_stages <= 4 and kv.key_weight.shape[1] == ROWSUM_COLS)
+
+
+def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=3, consumer_regs=240, pingpong=True):
+    """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`."""
+    if not 2 <= num_stages <= 4 or kv.block_n != 128:
+        raise ValueError(f"the warp-specialised Gluon kernel takes 128-key tiles and 2-4 stages; got "
+                         f"block_n={kv.block_n}, num_stages={num_stages}")
+    bsz, seq_q, n_q_heads, head_dim = q.shape
+    _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
+    block_m = CONSUMERS * CONSUMER_ROWS
+    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m)
+    q_pad = qq.q_q.shape[2]
+    block_n = kv.block_n
+    q_desc = _descriptor(qq.q_q.view(-1, d_pad), [CONSUMER_ROWS, d_pad], gl.int8)
+    k_desc = _descriptor(kv.k_q.view(-1, d_pad), [block_n, d_pad], gl.int8)
+    vt_desc = _descriptor(kv.v_t.view(-1, s_pad), [d_pad, block_n], gl.float8e4nv)
+    w_desc = _descriptor(kv.key_weight.view(-1, s_pad), [ROWSUM_COLS, block_n], gl.float8e4nv)
+    grid = (triton.cdiv(seq_q, block_m), n_q_heads, bsz)
+    _fsattn_fwd_gluon_ws_kernel[grid](
+        q_desc, k_desc, vt_desc, w_desc,
+        qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse,
+        seq_q, q_pad, head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
+        ROWSUM_COLS if kv.key_weight.shape[0] > 1 else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_N=block_n, D_PAD=d_pad, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PINGPONG=pingpong,
+        num_warps=4,
+    )
+    return out, lse
