@@ -2,6 +2,7 @@
 
     python benchmarks/compile_check.py                       # every variant at the default tiles
     python benchmarks/compile_check.py --tiles 128,64,4,3    # BLOCK_M,BLOCK_N,num_warps,num_stages
+    python benchmarks/compile_check.py --gluon-ws --tiles 3,128   # the warp-specialised kernel: stages,D_PAD
 
 Costs no device time: Triton's bundled ptxas assembles for sm_90a here, so compile errors, spills
 and missing wgmma instructions show before a lease.
@@ -66,36 +67,56 @@ def compile_variant(frozen, exp_mode, k_per_token, pv, pv_fp32, rowsum_mma, has_
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_gluon(block_m, block_n, warps, stages, d_pad=128):
-    """The Gluon kernel (kernels/fsattn_fwd_gluon.py), signature built from CPU tensors' descriptors."""
-    import torch
+def _gluon_source(kernel, descs, constexprs):
+    """A Gluon kernel's source for triton.compile: signature from CPU tensors' descriptors."""
+    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
-
-    kernel = gk._fsattn_fwd_gluon_kernel
-    descs = {
-        "q_desc": gk._descriptor(torch.zeros(4 * block_m, d_pad, dtype=torch.int8), [block_m, d_pad], gk.gl.int8),
-        "k_desc": gk._descriptor(torch.zeros(4 * block_n, d_pad, dtype=torch.int8), [block_n, d_pad], gk.gl.int8),
-        "vt_desc": gk._descriptor(torch.zeros(d_pad, 4 * block_n, dtype=torch.float8_e4m3fn), [d_pad, block_n],
-                                  gk.gl.float8e4nv),
-        "w_desc": gk._descriptor(torch.zeros(16, 4 * block_n, dtype=torch.float8_e4m3fn), [16, block_n],
-                                 gk.gl.float8e4nv),
-    }
     sig = {name: mangle_type(d) for name, d in descs.items()}
     sig.update({n: "*fp32" for n in ("qs_ptr", "qkm_ptr", "ks_ptr", "v_scale_ptr", "v_mean_ptr", "lse_ptr")})
     sig["out_ptr"] = "*bf16"
     for n in ("seq_q", "q_pad", "head_dim", "n_q_heads", "group", "n_tiles", "s_pad", "w_rows_per_batch",
               "stride_ob", "stride_os", "stride_oh"):
         sig[n] = "i32"
-    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "D_PAD": d_pad, "STAGES": stages, "num_warps": warps}
     for n in constexprs:
         sig[n] = "constexpr"
     sig = {n: sig[n] for n in kernel.arg_names}
     aligned = [i for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("s_pad", "q_pad", "stride_os")]
-    from triton.experimental.gluon._runtime import GluonASTSource
+    return GluonASTSource(kernel, sig, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
 
-    src = GluonASTSource(kernel, sig, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
+
+def _operand_descriptors(rows, block_n, d_pad):
+    import torch
+
+    from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
+
+    return {
+        "q_desc": gk._descriptor(torch.zeros(4 * rows, d_pad, dtype=torch.int8), [rows, d_pad], gk.gl.int8),
+        "k_desc": gk._descriptor(torch.zeros(4 * block_n, d_pad, dtype=torch.int8), [block_n, d_pad], gk.gl.int8),
+        "vt_desc": gk._descriptor(torch.zeros(d_pad, 4 * block_n, dtype=torch.float8_e4m3fn), [d_pad, block_n],
+                                  gk.gl.float8e4nv),
+        "w_desc": gk._descriptor(torch.zeros(16, 4 * block_n, dtype=torch.float8_e4m3fn), [16, block_n],
+                                 gk.gl.float8e4nv),
+    }
+
+
+def compile_gluon_ws(stages, d_pad=128):
+    """The warp-specialised Gluon kernel (kernels/fsattn_fwd_gluon_ws.py)."""
+    from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
+
+    constexprs = {"BLOCK_N": 128, "D_PAD": d_pad, "STAGES": stages, "CONSUMER_REGS": wk.CONSUMER_REGS,
+                  "PRODUCER_REGS": wk.PRODUCER_REGS}
+    src = _gluon_source(wk._fsattn_fwd_gluon_ws_kernel, _operand_descriptors(wk.CONSUMER_ROWS, 128, d_pad),
+                        constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+
+
+def compile_gluon(block_m, block_n, warps, stages, d_pad=128):
+    """The Gluon kernel (kernels/fsattn_fwd_gluon.py)."""
+    from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
+
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "D_PAD": d_pad, "STAGES": stages, "num_warps": warps}
+    src = _gluon_source(gk._fsattn_fwd_gluon_kernel, _operand_descriptors(block_m, block_n, d_pad), constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
@@ -119,8 +140,20 @@ def main():
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--tiles", nargs="+", default=["128,128,8,2"])
     parser.add_argument("--gluon", action="store_true", help="compile the Gluon kernel instead")
+    parser.add_argument("--gluon-ws", action="store_true",
+                        help="compile the warp-specialised Gluon kernel instead (--tiles: its stages and D_PAD as "
+                             "'stages,d_pad')")
     parser.add_argument("--dump", default=None, help="folder to write each variant's PTX and SASS into")
     args = parser.parse_args()
+    if args.gluon_ws:
+        for spec in args.tiles:
+            stages, d_pad = (int(x) for x in spec.split(",")[:2])
+            k = compile_gluon_ws(stages, d_pad)
+            ptx = k.asm["ptx"]
+            print(f"stages {stages} d_pad {d_pad:3d} gluon_ws {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
+                  f"wgmma {ptx.count('wgmma.mma_async'):3d} setmaxnreg {ptx.count('setmaxnreg'):2d} "
+                  f"bar.sync {ptx.count('bar.sync'):3d}")
+        return
     if args.gluon:
         for tiles in args.tiles:
             block_m, block_n, warps, stages = (int(x) for x in tiles.split(","))

@@ -21,7 +21,7 @@ _CHOICES = {
     "on_violation": ("rescale", "recompute"),
     "rowsum": ("mma", "fma"),
     "pv_accum": ("fp32", "hw"),
-    "kernel": ("triton", "gluon"),
+    "kernel": ("auto", "triton", "gluon", "gluon_ws"),
 }
 _EXP_OFFLOAD_SHARES = (0.0, 0.5, 1.0)
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -87,17 +87,22 @@ class FSAttnConfig:
         ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
         fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
         (SDPA), which is exact and, at that size, faster: fsattn's pre-passes and launches cost a
-        fixed ~0.6 ms. The default, 2.5e12, is the H200 crossover
-        (``benchmarks/results/2026-11-29_h200_seqlen_sweep.png``: fsattn is 0.96x of SDPA at 16384
-        tokens x 12 heads (1.6e12), 1.09x at 32760 (6.6e12)); it sends cross-attention to a few
-        hundred text tokens to SDPA. ``0`` runs every call on fsattn.
-    kernel : {"triton", "gluon"}
-        ``"triton"``: the Triton kernel. ``"gluon"`` (experimental, Hopper only): the Gluon
-        kernel, which overlaps the next tile's score GEMM with the softmax and PV GEMM of the
-        current one, for the calls it covers (online max, per-key K scales, FP8 PV with the
-        hardware accumulator, tensor-core row sum, no float mask, 64-row tiles); other calls and
-        other GPUs run the Triton kernel. Same numerics; on the H200 it measured 8-25 % slower
-        than the Triton kernel (benchmarks/NOTES.md, v4), hence not the default.
+        fixed ~0.6 ms. The default, 1e12, lies between the two H200 points around the crossover
+        (``benchmarks/results/2026-11-29_h200_v7_seqlen_sweep.png``, 12 heads x 128: fsattn is
+        0.86x of SDPA at 8192 tokens (4.1e11) and 1.08x at 16384 (1.6e12)); it sends
+        cross-attention to a few hundred text tokens to SDPA. ``0`` runs every call on fsattn.
+    kernel : {"auto", "triton", "gluon", "gluon_ws"}
+        Which forward kernel runs; all compute the same numbers. ``"auto"`` (default): the
+        fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims 65-128 where it covers the
+        call, else the Triton kernel. ``"triton"``: the Triton kernel, every configuration and
+        GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon kernel, a TMA producer warp
+        and two consumer warpgroups that take turns at the tensor cores; 9-12 % faster than the
+        Triton kernel at head dim 128 on the H200, 4 % slower at 64 (benchmarks/NOTES.md v7).
+        ``"gluon"`` (experimental, Hopper only): the Gluon kernel that overlaps the next tile's
+        score GEMM with the current softmax inside one warpgroup; 8-25 % slower than the Triton
+        kernel (NOTES v4). Both Gluon kernels cover the default numerics only (online max,
+        per-key K scales, FP8 PV with the hardware accumulator, tensor-core row sum, no float
+        mask, default tiles); other calls and other GPUs run the Triton kernel.
     check_finite : bool
         Check the inputs for NaN and Inf and raise (costs a pass over the inputs and a sync).
     """
@@ -118,8 +123,8 @@ class FSAttnConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    sdpa_below_flops: float = 2.5e12
-    kernel: str = "triton"
+    sdpa_below_flops: float = 1e12
+    kernel: str = "auto"
     check_finite: bool = False
 
     def __post_init__(self):

@@ -88,33 +88,68 @@ def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
     kernel_args = dict(bias=bias, frozen=frozen, exp_mode=_EXP_MODES[float(cfg.exp_offload)],
                        pv_fp32=cfg.pv_accum == "fp32", rowsum_mma=cfg.rowsum == "mma",
                        block_m=launch.block_m, num_warps=launch.num_warps)
-    if cfg.kernel == "gluon" and _gluon_covers(q, out, kv, dict(kernel_args, num_stages=launch.num_stages)):
-        from .kernels.fsattn_fwd_gluon import fsattn_fwd_gluon
-
-        fsattn_fwd_gluon(q, kv, out, lse, sm_scale=scale, block_m=launch.block_m, num_warps=launch.num_warps,
-                         num_stages=launch.num_stages)
-        return
+    gluon_args = dict(kernel_args, num_stages=launch.num_stages)
+    kernel = preferred_kernel(cfg, q.shape[-1])
+    if kernel == "gluon_ws" and _gluon_covers("fsattn_fwd_gluon_ws", q, out, kv, gluon_args):
+        if _launch_gluon("fsattn_fwd_gluon_ws", q, kv, out, lse, sm_scale=scale, num_stages=launch.num_stages):
+            return
+    if kernel == "gluon" and _gluon_covers("fsattn_fwd_gluon", q, out, kv, gluon_args):
+        if _launch_gluon("fsattn_fwd_gluon", q, kv, out, lse, sm_scale=scale, block_m=launch.block_m,
+                         num_warps=launch.num_warps, num_stages=launch.num_stages):
+            return
     fwd.fsattn_fwd(q, kv, out, lse, stats.fallback_counter(q.device), sm_scale=scale,
                    max_threshold=cfg.max_threshold, num_stages=launch.num_stages, **kernel_args)
 
 
-def _gluon_covers(q, out, kv, kernel_args) -> bool:
-    """Whether the Gluon kernel (Hopper only; see kernels/fsattn_fwd_gluon.py) takes this call."""
+def preferred_kernel(config: FSAttnConfig, head_dim: int) -> str:
+    """The kernel a call asks for before coverage is checked: ``config.kernel``, with ``"auto"``
+    resolved to the warp-specialised Gluon kernel at padded head dim 128 (where it measured 9-12 %
+    faster than the Triton kernel on the H200) and to the Triton kernel below (4 % slower at 64;
+    benchmarks/NOTES.md v7)."""
+    if config.kernel != "auto":
+        return config.kernel
+    return "gluon_ws" if _padded_dim(head_dim) == 128 else "triton"
+
+
+def _gluon_covers(module: str, q, out, kv, kernel_args) -> bool:
+    """Whether Gluon kernel `module` (Hopper only) takes this call; else the Triton kernel runs it."""
     if q.device.type != "cuda" or _capability(q.device.index) != (9, 0) or out.stride(-1) != 1:
         return False
-    gluon = _gluon_module()
+    gluon = None if module in _DISABLED_GLUON else _gluon_module(module)
     return gluon is not None and gluon.supports(kv, **kernel_args)
 
 
-@functools.lru_cache(maxsize=None)
-def _gluon_module():
+def _launch_gluon(name: str, *args, **kwargs) -> bool:
+    """Run Gluon kernel `name`; False (and that kernel off for the session, logged) if it does not
+    compile. Gluon is Triton's experimental layer and its API moves between releases: a Triton
+    this kernel was not written for must cost speed, not the call."""
+    from triton.compiler.errors import CompilationError
+
     try:
-        from .kernels import fsattn_fwd_gluon
+        getattr(_gluon_module(name), name)(*args, **kwargs)
+    except CompilationError as err:
+        logging.getLogger("fsattn_diffusers").warning(
+            "fsattn: the Gluon kernel %s does not compile with this Triton (%s); the Triton kernel runs its calls",
+            name, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        _DISABLED_GLUON.add(name)
+        return False
+    return True
+
+
+_DISABLED_GLUON: set[str] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_module(name: str):
+    """``kernels.<name>``, or None where this Triton lacks the Gluon API it uses (logged once)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f".kernels.{name}", __package__)
     except ImportError as err:  # a Triton without Gluon's Hopper API: the Triton kernel runs everything
         logging.getLogger("fsattn_diffusers").warning(
-            "fsattn: the Gluon kernel cannot be imported (%s); kernel='gluon' runs the Triton kernel", err)
+            "fsattn: the Gluon kernel %s cannot be imported (%s); the Triton kernel runs its calls", name, err)
         return None
-    return fsattn_fwd_gluon
 
 
 def _padded_dim(head_dim):

@@ -1,26 +1,31 @@
-"""The online fused-softmax forward in Gluon for Hopper, warp-specialised: one producer warp feeds
-two consumer warpgroups that share each K/V tile (experiment, benchmarks/NOTES.md v7).
+"""The online fused-softmax forward in Gluon for Hopper, warp-specialised, with the two consumer
+warpgroups taking turns at the tensor cores (FlashAttention-3's ping-pong); the default on sm_90
+at head dims 65-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7).
 
 Why: the Triton kernel runs one warpgroup per program, two programs per SM, each issuing its own
-loads (address arithmetic and ``cp.async`` in the softmax's instruction stream) and meeting a
-program-wide ``bar.sync`` every tile; NOTES v6 found its loop bound by those waits, not by a unit.
-Here, per program of 2 x 64 query rows:
+loads (address arithmetic and ``cp.async`` in the softmax's instruction stream), meeting a
+program-wide ``bar.sync`` every tile, and waiting for each GEMM right after issuing it; NOTES v6
+found its loop bound by those waits, not by a unit. Here, per program of 2 x 64 query rows:
 
-    producer (1 warp, few registers)   for each key tile: wait until both consumers released the
+    producer (4 warps, 24 registers)   for each key tile: wait until both consumers released the
                                        ring stage, then TMA K, V^T and the row-sum weights into it
-    consumer w (4 warps, w = 0, 1)     its 64 rows of Q (TMA), then per key tile: wait for the
-                                       stage, S = Q K^T (INT8 wgmma), online softmax (same
-                                       numerics as the Triton kernel's online pass), rescale,
-                                       O += P V and l += P W (FP8 wgmma), wait, release the stage
+    consumer w (4 warps, w = 0, 1)     its 64 rows of Q (TMA), then per key tile j: wait for the
+                                       score GEMM, online softmax (the Triton kernel's numerics),
+                                       rescale; in its turn issue the row sum and PV of tile j and
+                                       the score GEMM of tile j + 1, hand the turn over; wait for
+                                       PV, release the stage
 
-The two consumers run unsynchronised with each other; each waits only on mbarriers, so one's
-softmax overlaps the other's GEMMs without a program-wide barrier. Same configuration coverage as
-``fsattn_fwd_gluon`` (per-key K scales, FP8 V, tensor-core row sum, no float bias). Gluon does
-not run in Triton's interpreter: the GPU tests exercise it.
+Only mbarriers synchronise (no program-wide barrier). Measured on the H200 (NOTES v7): 728 and
+762 TFLOP/s at the Wan-1.3B and 14B shapes against the Triton kernel's 667 and 680; without the
+ping-pong the same structure only tied it; at head dim 64 it is slower (447 vs 476), so head dims
+up to 64 stay on the Triton kernel. Coverage: per-key K scales, FP8 V, tensor-core row sum, no
+float bias, default tiles; other configurations run the Triton kernel. Gluon does not run in
+Triton's interpreter: the GPU tests exercise this kernel.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -29,8 +34,15 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .fsattn_fwd_gluon import LN2, ROWSUM_COLS, ROWSUM_N, _descriptor, _softmax_tile
 from .quantize import quantize_q
 
+if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
+    raise ImportError("this Triton's Gluon has no warp_specialize")
+
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (one m64 wgmma)
 CONSUMERS = 2
+# Registers per thread after setmaxnreg: 2 x 128 x 240 + 128 x 24 fills the 64 K register file.
+# 232 for the consumers ran 11 % slower (NOTES v7); the producer needs few.
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
 
 
 @gluon.jit
@@ -52,62 +64,6 @@ def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, 
         tma.async_copy_global_to_shared(k_desc, [kv_row + tile * BLOCK_N, 0], bar, k_smem.index(stage))
         tma.async_copy_global_to_shared(vt_desc, [vt_row, tile * BLOCK_N], bar, vt_smem.index(stage))
         tma.async_copy_global_to_shared(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
-
-
-@gluon.jit
-def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
-              qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
-              q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh):
-    ROWS: gl.constexpr = 64
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    D_PAD: gl.constexpr = k_smem.shape[2]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D_PAD, 32])
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 16, 32])
-    p_o_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    my_row = q_row + c * ROWS
-    cols = gl.arange(0, BLOCK_N, layout=col_layout)
-    qs = gl.load(qs_ptr + my_row + gl.arange(0, ROWS, layout=row_layout))
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.int32, layout=s_layout)
-    l_zero = gl.zeros([ROWS, ROWSUM_N], gl.float32, layout=l_layout)
-    acc = gl.zeros([ROWS, D_PAD], gl.float32, layout=o_layout)
-    l_acc = gl.zeros([ROWS], gl.float32, layout=row_layout)
-    m = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-    q_tile = q_smem.index(c)
-    mbarrier.wait(q_bars.index(c), 0)
-
-    for tile in range(n_tiles):
-        stage = tile % STAGES
-        # The key scales first: their load's latency hides behind the wait and the score GEMM.
-        ks = gl.load(ks_ptr + kv_row + tile * BLOCK_N + cols)
-        mbarrier.wait(ready.index(stage), (tile // STAGES) & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False)
-        # Max of the undequantised scores (qs > 0), then one FMA gives s - m + 8, as in the Triton kernel.
-        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
-        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
-        p = gl.exp2(pre * gl.expand_dims(qs, 1) + gl.expand_dims(8.0 - m_new, 1))
-        alpha = gl.exp2(m - m_new)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_o_layout)
-        o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
-                              use_acc=False, is_async=True)
-        acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
-        mbarrier.arrive(empty.index(stage), count=1)  # this warpgroup is done with the stage
-        l_acc = l_acc * alpha + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
-        m = m_new
-
-    _epilogue(c, acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, bh_q, bh_kv, row0, b, h,
-              seq_q, head_dim, stride_ob, stride_os, stride_oh)
 
 
 @gluon.jit
@@ -141,14 +97,17 @@ def _epilogue(c: gl.constexpr, acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, 
 
 
 @gluon.jit
-def _consumer_pingpong(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
+def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
                        qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                        q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
                        stride_oh):
-    """As `_consumer`, with the two warpgroups taking turns at the tensor cores (FlashAttention-3's
-    ping-pong): a warpgroup issues PV of tile j and the score GEMM of tile j + 1 together, only in
-    its turn, then hands the turn over and waits for PV while the other issues; its softmax of
-    tile j + 1 then runs while the other's GEMMs do."""
+    """One consumer warpgroup: 64 query rows against every key tile.
+
+    The two warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong): in its turn a
+    warpgroup issues the row sum and PV of tile j and the score GEMM of tile j + 1, hands the turn
+    over, and waits for PV (the score GEMM stays in flight); its softmax of tile j + 1 then runs
+    while the other warpgroup's GEMMs do. Same numerics as the Triton kernel's online pass.
+    """
     ROWS: gl.constexpr = 64
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -229,7 +188,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     seq_q, q_pad, head_dim, n_q_heads, group, n_tiles, s_pad, w_rows_per_batch,
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     h = gl.program_id(1)
@@ -257,41 +216,33 @@ def _fsattn_fwd_gluon_ws_kernel(
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
 
-    if PINGPONG:
-        consumer_args = (q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
-                         qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
-                         q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                         stride_oh)
-        gl.warp_specialize([
-            (_consumer_pingpong, (0,) + consumer_args),
-            (_consumer_pingpong, (1,) + consumer_args),
-            (_producer, (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
-                         q_row, kv_row, vt_row, w_row, n_tiles)),
-        ], [4, 4], [CONSUMER_REGS, 24])
-    else:
-        consumer_args = (q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
-                         qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
-                         q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                         stride_oh)
-        gl.warp_specialize([
-            (_consumer, (0,) + consumer_args),
-            (_consumer, (1,) + consumer_args),
-            (_producer, (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
-                         q_row, kv_row, vt_row, w_row, n_tiles)),
-        ], [4, 4], [CONSUMER_REGS, 24])
+    consumer_args = (q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
+                     qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
+                     q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
+                     stride_oh)
+    gl.warp_specialize([
+        (_consumer, (0,) + consumer_args),
+        (_consumer, (1,) + consumer_args),
+        (_producer, (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
+                     q_row, kv_row, vt_row, w_row, n_tiles)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def supports(kv, bias, frozen, exp_mode, pv_fp32, rowsum_mma, num_stages) -> bool:
-    """Whether this kernel covers the call: the default numerics, 128-key tiles, 2-4 stages."""
-    import torch
-
+def supports(kv, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
+    """Whether this kernel covers the call (else the Triton kernel runs it): the default numerics
+    (online softmax, per-key K scales, FP8 V, tensor-core row sum, no float bias), the default
+    tiles (64-row warpgroups, 128 keys, 4 warps each) and 2-4 pipeline stages."""
     return (bias is None and frozen == 0 and exp_mode == 0 and not pv_fp32 and rowsum_mma
-            and kv.k_per_token and kv.v_t.dtype == torch.float8_e4m3fn and kv.block_n == 128
-            and 2 <= num_stages <= 4 and kv.key_weight.shape[1] == ROWSUM_COLS)
+            and kv.k_per_token and kv.v_t.dtype == torch.float8_e4m3fn and block_m == CONSUMER_ROWS
+            and kv.block_n == 128 and num_warps == 4 and 2 <= num_stages <= 4
+            and kv.key_weight.shape[1] == ROWSUM_COLS)
 
 
-def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=3, consumer_regs=240, pingpong=True):
-    """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`."""
+def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=3):
+    """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`.
+
+    Callers check :func:`supports` first; a call outside it raises here rather than hang the GPU.
+    """
     if not 2 <= num_stages <= 4 or kv.block_n != 128:
         raise ValueError(f"the warp-specialised Gluon kernel takes 128-key tiles and 2-4 stages; got "
                          f"block_n={kv.block_n}, num_stages={num_stages}")
@@ -312,7 +263,7 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=3, consumer_reg
         seq_q, q_pad, head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
         ROWSUM_COLS if kv.key_weight.shape[0] > 1 else 0,
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_N=block_n, D_PAD=d_pad, STAGES=num_stages, CONSUMER_REGS=consumer_regs, PINGPONG=pingpong,
+        BLOCK_N=block_n, D_PAD=d_pad, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4,
     )
     return out, lse

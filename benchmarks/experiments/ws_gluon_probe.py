@@ -4,7 +4,9 @@ kernel on the same quantised K/V, then timed with SDPA in the same process.
     python benchmarks/experiments/ws_gluon_probe.py --check      # small shapes, correctness only
     python benchmarks/experiments/ws_gluon_probe.py --bench out.json
 
-Both sides are timed as the op runs them: K/V quantisation + Q quantisation + kernel.
+Both sides are timed as the op runs them: K/V quantisation + Q quantisation + kernel. The rows
+without the ping-pong and with 232 consumer registers in NOTES v7 came from this probe at commit
+084f7bd, where the kernel still had those switches.
 """
 
 import argparse
@@ -21,15 +23,14 @@ from fsattn_diffusers.metrics import cosine_similarity, relative_l1
 from fsattn_diffusers.reference import attention_reference
 
 
-def run(q, k, v, weight, kernel, stages, regs=240, pingpong=True):
+def run(q, k, v, weight, kernel, stages):
     d = q.shape[-1]
     d_pad = 64 if d <= 64 else 128
     kv = quantize_kv(k, v, weight, block_n=128, d_pad=d_pad, k_per_token=True)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     if kernel == "ws":
-        ws.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=d ** -0.5, num_stages=stages, consumer_regs=regs,
-                               pingpong=pingpong)
+        ws.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=d ** -0.5, num_stages=stages)
     else:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         fwd.fsattn_fwd(q, kv, out, lse, counter, sm_scale=d ** -0.5, frozen=fwd.FROZEN_OFF, pv_fp32=False,
@@ -81,7 +82,6 @@ def bench(path):
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         fns = {"sdpa_default": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
                "triton_s3": lambda: run(q, k, v, None, "triton", 3)}
-        fns["ws_s3_r240"] = lambda: run(q, k, v, None, "ws", 3, 240, False)
         for stages in (2, 3, 4):
             fns[f"ws_pingpong_s{stages}"] = (lambda st=stages: run(q, k, v, None, "ws", st))
         rep = 300 if s < 50000 else 1500

@@ -1,9 +1,10 @@
-"""The Gluon kernel (Hopper only) against the Triton kernel, its emulation and float64.
+"""The Gluon kernels (Hopper only) against the Triton kernel and float64.
 
 Gluon does not run in Triton's interpreter, so every test here needs an sm_90 GPU; on other
-machines they skip. The families of DESIGN.md section 4 reach this kernel through
-``tests/kernels/test_fsattn_fwd.py``'s GPU tests through the Triton kernel; here the Gluon kernel
-(``FSAttnConfig(kernel="gluon")``) is checked against that kernel and against float64.
+machines they skip. Two kernels: the warp-specialised one (``kernel="gluon_ws"``, what ``"auto"``
+runs at head dims 65-128 on Hopper, so the families of DESIGN.md section 4 in
+``tests/kernels/test_fsattn_fwd.py``'s GPU tests reach it too) and the single-warpgroup one
+(``kernel="gluon"``, opt-in). Each is checked against the Triton kernel and against float64.
 """
 
 import pytest
@@ -20,22 +21,29 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is written for Hopper (sm_90) wgmma and TMA")]
 
 TRITON = FSAttnConfig(kernel="triton")
-GLUON = FSAttnConfig(kernel="gluon")
+# kernel name -> (module, launcher)
+GLUON_KERNELS = {"gluon": ("fsattn_fwd_gluon", "fsattn_fwd_gluon"),
+                 "gluon_ws": ("fsattn_fwd_gluon_ws", "fsattn_fwd_gluon_ws")}
+
+
+@pytest.fixture(params=list(GLUON_KERNELS))
+def kernel(request):
+    return request.param
 
 
 @pytest.fixture
-def gluon_calls(monkeypatch):
-    """Count launches of the Gluon kernel, so a test knows which kernel ran."""
-    from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
-
+def gluon_calls(monkeypatch, kernel):
+    """Count launches of the Gluon kernel under test, so a test knows which kernel ran."""
+    module_name, launcher = GLUON_KERNELS[kernel]
+    module = fsattn_ops._gluon_module(module_name)
     calls = []
-    real = gk.fsattn_fwd_gluon
+    real = getattr(module, launcher)
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gk, "fsattn_fwd_gluon", counted)
+    monkeypatch.setattr(module, launcher, counted)
     return calls
 
 
@@ -53,16 +61,17 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}x{s[1]}x{s[2]}h{s[3]}/{s[4]}d{s[5]}" for s in SHAPES])
-def test_gluon_matches_triton_kernel_and_float64(shape, gluon_calls):
+def test_gluon_matches_triton_kernel_and_float64(shape, kernel, gluon_calls):
+    gluon_cfg = FSAttnConfig(kernel=kernel)
     bsz, sq, sk, hq, hkv, d = shape
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
     q = torch.randn(bsz, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(bsz, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(bsz, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out, lse = fsattn(q, k, v, return_lse=True, config=GLUON)
-    assert len(gluon_calls) == 1, "kernel='gluon' should run the Gluon kernel on sm_90"
+    out, lse = fsattn(q, k, v, return_lse=True, config=gluon_cfg)
+    assert len(gluon_calls) == 1, f"kernel={kernel!r} should run its Gluon kernel on sm_90"
     out_t, lse_t = fsattn(q, k, v, return_lse=True, config=TRITON)
-    assert len(gluon_calls) == 1, "kernel='triton' must not reach the Gluon kernel"
+    assert len(gluon_calls) == 1, "kernel='triton' must not reach a Gluon kernel"
     # Same arithmetic, different order of the rescale and the FP8 accumulator chain.
     assert rel_l1(out, out_t) < 5e-3
     assert torch.allclose(lse, lse_t, atol=2e-3, rtol=0)
@@ -73,7 +82,8 @@ def test_gluon_matches_triton_kernel_and_float64(shape, gluon_calls):
     assert torch.allclose(lse, ref_lse.to(lse.dtype), atol=0.5 / sk ** 0.5, rtol=0)
 
 
-def test_gluon_boolean_key_mask_per_batch(gluon_calls):
+def test_gluon_boolean_key_mask_per_batch(kernel, gluon_calls):
+    gluon_cfg = FSAttnConfig(kernel=kernel)
     gen = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(2, 700, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(2, 900, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -82,7 +92,7 @@ def test_gluon_boolean_key_mask_per_batch(gluon_calls):
     mask[0, 650:] = False  # batch 0: padded text, as HunyuanVideo passes it
     mask[1, ::3] = False
     attn_mask = mask[:, None, None, :]
-    out = fsattn(q, k, v, attn_mask=attn_mask, config=GLUON)
+    out = fsattn(q, k, v, attn_mask=attn_mask, config=gluon_cfg)
     assert len(gluon_calls) == 1
     ref, _ = attention_reference(q, k, v, attn_mask)
     assert cosine(out, ref) >= 0.999 and rel_l1(out, ref) <= 0.04
@@ -90,18 +100,35 @@ def test_gluon_boolean_key_mask_per_batch(gluon_calls):
     # atomic adds of V's rounding-bias correction, which may flip a last bf16 bit).
     v2 = v.clone()
     v2[0, 650:] += 100.0
-    assert rel_l1(fsattn(q, k, v2, attn_mask=attn_mask, config=GLUON)[0], out[0]) < 1e-3
+    assert rel_l1(fsattn(q, k, v2, attn_mask=attn_mask, config=gluon_cfg)[0], out[0]) < 1e-3
 
 
-def test_configs_the_gluon_kernel_does_not_cover_run_on_triton(gluon_calls):
+def test_configs_the_gluon_kernel_does_not_cover_run_on_triton(kernel, gluon_calls):
     # 1024 keys = 8 tiles: enough for the sampled max to be used (it needs more than 4).
     q = torch.randn(1, 1024, 2, 128, device="cuda", dtype=torch.bfloat16)
-    for cfg in (FSAttnConfig(kernel="gluon", k_granularity="block"), FSAttnConfig(kernel="gluon", pv_format="16bit"),
-                FSAttnConfig(kernel="gluon", max_policy="sampled"),
-                FSAttnConfig(kernel="gluon", block_m=128, block_n=64), FSAttnConfig()):
+    for cfg in (FSAttnConfig(kernel=kernel, k_granularity="block"), FSAttnConfig(kernel=kernel, pv_format="16bit"),
+                FSAttnConfig(kernel=kernel, max_policy="sampled"),
+                FSAttnConfig(kernel=kernel, block_m=128, block_n=64), TRITON):
         out = fsattn(q, q, q, config=cfg)
         assert torch.isfinite(out).all()
     float_mask = torch.zeros(1, 1, 1, 1024, device="cuda")
-    fsattn(q, q, q, attn_mask=float_mask, config=GLUON)
+    fsattn(q, q, q, attn_mask=float_mask, config=FSAttnConfig(kernel=kernel))
     assert gluon_calls == []
-    assert fsattn_ops._gluon_module() is not None
+    assert fsattn_ops._gluon_module(GLUON_KERNELS[kernel][0]) is not None
+
+
+def test_auto_runs_the_warp_specialised_kernel_at_head_dim_128_only(monkeypatch):
+    calls = {}
+    for name, (module_name, launcher) in GLUON_KERNELS.items():
+        module = fsattn_ops._gluon_module(module_name)
+        real = getattr(module, launcher)
+
+        def counted(*args, _name=name, _real=real, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, launcher, counted)
+    for head_dim in (128, 64):
+        q = torch.randn(1, 2048, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+        fsattn(q, q, q)
+    assert calls == {"gluon_ws": 1}

@@ -1,12 +1,18 @@
-"""Which calls the Gluon kernel takes (runs on CPU: the decision only reads shapes and flags)."""
+"""Which calls the Gluon kernels take (runs on CPU: the decision only reads shapes and flags)."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from fsattn_diffusers import FSAttnConfig
+from fsattn_diffusers.ops import preferred_kernel
+
 gluon = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon",
                             reason="this Triton has no Gluon Hopper API (the Triton kernel then runs everything)")
+gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws",
+                               reason="this Triton has no Gluon warp specialisation (the Triton kernel runs everything)")
+KERNELS = {"gluon": gluon, "gluon_ws": gluon_ws}
 
 COVERED = dict(bias=None, frozen=0, exp_mode=0, pv_fp32=False, rowsum_mma=True, block_m=64, num_warps=4,
                num_stages=3)
@@ -19,24 +25,66 @@ def _kv(**over):
     return SimpleNamespace(**kv)
 
 
-def test_the_tested_configuration_is_covered():
-    assert gluon.supports(_kv(), **COVERED)
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_the_tested_configuration_is_covered(kernel):
+    assert KERNELS[kernel].supports(_kv(), **COVERED)
 
 
 @pytest.mark.parametrize("change", [dict(num_stages=1), dict(num_stages=5), dict(block_m=128), dict(num_warps=8),
                                     dict(frozen=2), dict(exp_mode=1), dict(pv_fp32=True), dict(rowsum_mma=False),
                                     dict(bias=torch.zeros(1, 128))])
-def test_calls_outside_it_go_to_the_triton_kernel(change):
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_calls_outside_it_go_to_the_triton_kernel(kernel, change):
     # num_stages=1 would hang: the loop waits on a tile it issues only afterwards.
-    assert not gluon.supports(_kv(), **dict(COVERED, **change))
+    assert not KERNELS[kernel].supports(_kv(), **dict(COVERED, **change))
 
 
 @pytest.mark.parametrize("kv_change", [dict(block_n=64), dict(k_per_token=False),
                                        dict(v_t=torch.empty(1, dtype=torch.bfloat16))])
-def test_operands_outside_it_go_to_the_triton_kernel(kv_change):
-    assert not gluon.supports(_kv(**kv_change), **COVERED)
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_operands_outside_it_go_to_the_triton_kernel(kernel, kv_change):
+    assert not KERNELS[kernel].supports(_kv(**kv_change), **COVERED)
 
 
-def test_the_launcher_refuses_what_it_does_not_cover():
+def test_the_launchers_refuse_what_they_do_not_cover():
     with pytest.raises(ValueError, match="2-4 stages"):
         gluon.fsattn_fwd_gluon(None, _kv(), None, None, sm_scale=1.0, num_stages=1)
+    with pytest.raises(ValueError, match="2-4 stages"):
+        gluon_ws.fsattn_fwd_gluon_ws(None, _kv(), None, None, sm_scale=1.0, num_stages=5)
+    with pytest.raises(ValueError, match="128-key tiles"):
+        gluon_ws.fsattn_fwd_gluon_ws(None, _kv(block_n=64), None, None, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("head_dim,expected", [(128, "gluon_ws"), (96, "gluon_ws"), (80, "gluon_ws"),
+                                               (64, "triton"), (32, "triton")])
+def test_auto_picks_the_kernel_measured_fastest_for_the_head_dim(head_dim, expected):
+    # NOTES v7: the warp-specialised kernel is 9-12 % faster at head dim 128, 4 % slower at 64.
+    assert preferred_kernel(FSAttnConfig(), head_dim) == expected
+
+
+@pytest.mark.parametrize("kernel", ["triton", "gluon", "gluon_ws"])
+def test_an_explicit_kernel_is_kept(kernel):
+    for head_dim in (64, 128):
+        assert preferred_kernel(FSAttnConfig(kernel=kernel), head_dim) == kernel
+
+
+def test_a_gluon_kernel_that_does_not_compile_hands_its_calls_to_triton(monkeypatch, caplog):
+    # Gluon's API moves between Triton releases: a compile failure must cost speed, not the call.
+    from triton.compiler.errors import CompilationError
+
+    from fsattn_diffusers import ops
+
+    def broken(*args, **kwargs):
+        raise CompilationError(None, None, "warp_specialize() got an unexpected keyword argument")
+
+    fake = SimpleNamespace(fsattn_fwd_gluon_ws=broken, supports=lambda kv, **kw: True)
+    monkeypatch.setattr(ops, "_gluon_module", lambda name: fake)
+    monkeypatch.setattr(ops, "_DISABLED_GLUON", set())
+    with caplog.at_level("WARNING", logger="fsattn_diffusers"):
+        assert ops._launch_gluon("fsattn_fwd_gluon_ws") is False
+    assert "does not compile" in caplog.text
+    q = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
+    out = torch.empty(2, 3)
+    assert not ops._gluon_covers("fsattn_fwd_gluon_ws", q, out, _kv(), COVERED)
+    assert ops._gluon_covers("fsattn_fwd_gluon", q, out, _kv(), COVERED)  # the other kernel is unaffected
