@@ -146,7 +146,7 @@ def main():
     parser.add_argument("--dump", default=None, help="folder to write each variant's PTX and SASS into")
     args = parser.parse_args()
     if args.gluon_ws:
-        for spec in args.tiles:
+        for spec in args.tiles if args.tiles != parser.get_default("tiles") else ["3,128"]:
             stages, d_pad = (int(x) for x in spec.split(",")[:2])
             k = compile_gluon_ws(stages, d_pad)
             ptx = k.asm["ptx"]

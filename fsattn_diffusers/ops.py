@@ -122,18 +122,29 @@ def _gluon_covers(module: str, q, out, kv, kernel_args) -> bool:
 def _launch_gluon(name: str, *args, **kwargs) -> bool:
     """Run Gluon kernel `name`; False (and that kernel off for the session, logged) if it does not
     compile. Gluon is Triton's experimental layer and its API moves between releases: a Triton
-    this kernel was not written for must cost speed, not the call."""
-    from triton.compiler.errors import CompilationError
-
+    this kernel was not written for must cost speed, not the call. Compilation happens before the
+    launch and the output is written only by the launch, so a False leaves `out` to the caller."""
     try:
         getattr(_gluon_module(name), name)(*args, **kwargs)
-    except CompilationError as err:
+    except Exception as err:  # noqa: BLE001 - narrowed to compile failures just below
+        if not _is_compile_failure(err):
+            raise
+        message = getattr(err, "error_message", None) or str(err) or type(err).__name__
         logging.getLogger("fsattn_diffusers").warning(
-            "fsattn: the Gluon kernel %s does not compile with this Triton (%s); the Triton kernel runs its calls",
-            name, str(err).splitlines()[0] if str(err) else type(err).__name__)
+            "fsattn: the Gluon kernel %s does not compile with this Triton (%s: %s); the Triton kernel runs its calls",
+            name, type(err).__name__, message.strip().splitlines()[-1] if message.strip() else "")
         _DISABLED_GLUON.add(name)
         return False
     return True
+
+
+def _is_compile_failure(err: Exception) -> bool:
+    """Triton's own compile errors (front end, ptxas, resources) and MLIR pass failures."""
+    try:
+        from triton.errors import TritonError
+    except ImportError:  # older Triton: its compile errors have no common base
+        from triton.compiler.errors import CompilationError as TritonError
+    return isinstance(err, TritonError) or (isinstance(err, RuntimeError) and "PassManager" in str(err))
 
 
 _DISABLED_GLUON: set[str] = set()

@@ -36,15 +36,20 @@ def gluon_calls(monkeypatch, kernel):
     """Count launches of the Gluon kernel under test, so a test knows which kernel ran."""
     module_name, launcher = GLUON_KERNELS[kernel]
     module = fsattn_ops._gluon_module(module_name)
+    # A kernel that failed to compile would hand its calls to the Triton kernel (and stay off):
+    # start clean, and count a launch only once it has returned.
+    monkeypatch.setattr(fsattn_ops, "_DISABLED_GLUON", set())
     calls = []
     real = getattr(module, launcher)
 
     def counted(*args, **kwargs):
+        result = real(*args, **kwargs)
         calls.append(args[0].shape)
-        return real(*args, **kwargs)
+        return result
 
     monkeypatch.setattr(module, launcher, counted)
-    return calls
+    yield calls
+    assert fsattn_ops._DISABLED_GLUON == set(), "a Gluon kernel failed to compile and was switched off"
 
 
 # (batch, seq_q, seq_k, q heads, kv heads, head dim): partial last tiles, one key tile, fewer tiles
@@ -118,14 +123,16 @@ def test_configs_the_gluon_kernel_does_not_cover_run_on_triton(kernel, gluon_cal
 
 
 def test_auto_runs_the_warp_specialised_kernel_at_head_dim_128_only(monkeypatch):
+    monkeypatch.setattr(fsattn_ops, "_DISABLED_GLUON", set())
     calls = {}
     for name, (module_name, launcher) in GLUON_KERNELS.items():
         module = fsattn_ops._gluon_module(module_name)
         real = getattr(module, launcher)
 
         def counted(*args, _name=name, _real=real, **kwargs):
+            result = _real(*args, **kwargs)
             calls[_name] = calls.get(_name, 0) + 1
-            return _real(*args, **kwargs)
+            return result
 
         monkeypatch.setattr(module, launcher, counted)
     for head_dim in (128, 64):

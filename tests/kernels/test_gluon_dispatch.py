@@ -68,14 +68,19 @@ def test_an_explicit_kernel_is_kept(kernel):
         assert preferred_kernel(FSAttnConfig(kernel=kernel), head_dim) == kernel
 
 
-def test_a_gluon_kernel_that_does_not_compile_hands_its_calls_to_triton(monkeypatch, caplog):
+@pytest.mark.parametrize("failure", ["front end", "ptxas", "mlir pass"])
+def test_a_gluon_kernel_that_does_not_compile_hands_its_calls_to_triton(monkeypatch, caplog, failure):
     # Gluon's API moves between Triton releases: a compile failure must cost speed, not the call.
     from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import PTXASError
 
     from fsattn_diffusers import ops
 
+    errors = {"front end": CompilationError(None, None, "warp_specialize() got an unexpected keyword argument"),
+              "ptxas": PTXASError("ptxas error: setmaxnreg"), "mlir pass": RuntimeError("PassManager::run failed")}
+
     def broken(*args, **kwargs):
-        raise CompilationError(None, None, "warp_specialize() got an unexpected keyword argument")
+        raise errors[failure]
 
     fake = SimpleNamespace(fsattn_fwd_gluon_ws=broken, supports=lambda kv, **kw: True)
     monkeypatch.setattr(ops, "_gluon_module", lambda name: fake)
@@ -88,3 +93,42 @@ def test_a_gluon_kernel_that_does_not_compile_hands_its_calls_to_triton(monkeypa
     out = torch.empty(2, 3)
     assert not ops._gluon_covers("fsattn_fwd_gluon_ws", q, out, _kv(), COVERED)
     assert ops._gluon_covers("fsattn_fwd_gluon", q, out, _kv(), COVERED)  # the other kernel is unaffected
+
+
+def test_other_errors_in_a_gluon_kernel_are_raised(monkeypatch):
+    # Only compile failures fall back: a launch error (bad memory access, wrong argument) must surface.
+    from fsattn_diffusers import ops
+
+    def crashing(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(ops, "_gluon_module", lambda name: SimpleNamespace(fsattn_fwd_gluon_ws=crashing))
+    monkeypatch.setattr(ops, "_DISABLED_GLUON", set())
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        ops._launch_gluon("fsattn_fwd_gluon_ws")
+    assert ops._DISABLED_GLUON == set()
+
+
+def test_the_triton_kernel_runs_the_call_when_the_gluon_kernel_does_not_compile(monkeypatch):
+    from triton.compiler.errors import CompilationError
+
+    from fsattn_diffusers import ops
+    from fsattn_diffusers.kernels import fsattn_fwd as fwd
+    from fsattn_diffusers.kernels import quantize
+
+    def broken(*args, **kwargs):
+        raise CompilationError(None, None, "no such builtin")
+
+    triton_calls = []
+    monkeypatch.setattr(ops, "_gluon_module", lambda name: SimpleNamespace(fsattn_fwd_gluon_ws=broken,
+                                                                           supports=lambda kv, **kw: True))
+    monkeypatch.setattr(ops, "_DISABLED_GLUON", set())
+    monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(quantize, "quantize_kv", lambda *a, **kw: SimpleNamespace(n_tiles=8))
+    monkeypatch.setattr(ops.stats, "fallback_counter", lambda device: None)
+    monkeypatch.setattr(fwd, "fsattn_fwd", lambda *a, **kw: triton_calls.append(kw))
+    q = SimpleNamespace(shape=(1, 256, 2, 128), device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    out = torch.empty(2, 3)
+    launch = ops.launch_config(FSAttnConfig(), torch.device("cpu"), 128)
+    ops._run_kernels(q, None, None, None, None, 0.1, FSAttnConfig(), launch, out, None)
+    assert len(triton_calls) == 1 and ops._DISABLED_GLUON == {"fsattn_fwd_gluon_ws"}
