@@ -205,6 +205,29 @@ def _descriptor(t2d: torch.Tensor, block_shape, dtype) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t2d, block_shape, layout)
 
 
+def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
+    """Quantise Q and build what both Gluon kernels take: (grid, positional arguments).
+
+    `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
+    """
+    bsz, seq_q, n_q_heads, head_dim = q.shape
+    _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
+    block_n = kv.block_n
+    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m)
+    descriptors = (
+        _descriptor(qq.q_q.view(-1, d_pad), [q_tile_rows, d_pad], gl.int8),
+        _descriptor(kv.k_q.view(-1, d_pad), [block_n, d_pad], gl.int8),
+        _descriptor(kv.v_t.view(-1, s_pad), [d_pad, block_n], gl.float8e4nv),
+        _descriptor(kv.key_weight.view(-1, s_pad), [ROWSUM_COLS, block_n], gl.float8e4nv),
+    )
+    args = (*descriptors,
+            qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse,
+            seq_q, qq.q_q.shape[2], head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
+            ROWSUM_COLS if kv.key_weight.shape[0] > 1 else 0,
+            out.stride(0), out.stride(1), out.stride(2))
+    return (triton.cdiv(seq_q, block_m), n_q_heads, bsz), args
+
+
 def fsattn_fwd_gluon(q, kv, out, lse, *, sm_scale, block_m=64, num_warps=4, num_stages=3):
     """Quantise Q and launch the Gluon kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`.
 
@@ -213,22 +236,7 @@ def fsattn_fwd_gluon(q, kv, out, lse, *, sm_scale, block_m=64, num_warps=4, num_
     if not 2 <= num_stages <= 4 or block_m != 64 or num_warps != 4 or kv.block_n != 128:
         raise ValueError(f"the Gluon kernel takes 64 x 128 tiles, 4 warps and 2-4 stages; got block_m={block_m}, "
                          f"block_n={kv.block_n}, num_warps={num_warps}, num_stages={num_stages}")
-    bsz, seq_q, n_q_heads, head_dim = q.shape
-    _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
-    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m)
-    q_pad = qq.q_q.shape[2]
-    block_n = kv.block_n
-    q_desc = _descriptor(qq.q_q.view(-1, d_pad), [block_m, d_pad], gl.int8)
-    k_desc = _descriptor(kv.k_q.view(-1, d_pad), [block_n, d_pad], gl.int8)
-    vt_desc = _descriptor(kv.v_t.view(-1, s_pad), [d_pad, block_n], gl.float8e4nv)
-    w_desc = _descriptor(kv.key_weight.view(-1, s_pad), [ROWSUM_COLS, block_n], gl.float8e4nv)
-    grid = (triton.cdiv(seq_q, block_m), n_q_heads, bsz)
-    _fsattn_fwd_gluon_kernel[grid](
-        q_desc, k_desc, vt_desc, w_desc,
-        qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse,
-        seq_q, q_pad, head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
-        ROWSUM_COLS if kv.key_weight.shape[0] > 1 else 0,
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, STAGES=num_stages, num_warps=num_warps,
-    )
+    grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=block_m, q_tile_rows=block_m)
+    _fsattn_fwd_gluon_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3],
+                                   STAGES=num_stages, num_warps=num_warps)
     return out, lse

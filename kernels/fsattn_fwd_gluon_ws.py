@@ -26,13 +26,11 @@ Triton's interpreter: the GPU tests exercise this kernel.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .fsattn_fwd_gluon import LN2, ROWSUM_COLS, ROWSUM_N, _descriptor, _softmax_tile
-from .quantize import quantize_q
+from .fsattn_fwd_gluon import LN2, ROWSUM_COLS, ROWSUM_N, _softmax_tile, launch_operands
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
@@ -246,24 +244,8 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=3):
     if not 2 <= num_stages <= 4 or kv.block_n != 128:
         raise ValueError(f"the warp-specialised Gluon kernel takes 128-key tiles and 2-4 stages; got "
                          f"block_n={kv.block_n}, num_stages={num_stages}")
-    bsz, seq_q, n_q_heads, head_dim = q.shape
-    _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
-    block_m = CONSUMERS * CONSUMER_ROWS
-    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m)
-    q_pad = qq.q_q.shape[2]
-    block_n = kv.block_n
-    q_desc = _descriptor(qq.q_q.view(-1, d_pad), [CONSUMER_ROWS, d_pad], gl.int8)
-    k_desc = _descriptor(kv.k_q.view(-1, d_pad), [block_n, d_pad], gl.int8)
-    vt_desc = _descriptor(kv.v_t.view(-1, s_pad), [d_pad, block_n], gl.float8e4nv)
-    w_desc = _descriptor(kv.key_weight.view(-1, s_pad), [ROWSUM_COLS, block_n], gl.float8e4nv)
-    grid = (triton.cdiv(seq_q, block_m), n_q_heads, bsz)
-    _fsattn_fwd_gluon_ws_kernel[grid](
-        q_desc, k_desc, vt_desc, w_desc,
-        qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse,
-        seq_q, q_pad, head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
-        ROWSUM_COLS if kv.key_weight.shape[0] > 1 else 0,
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_N=block_n, D_PAD=d_pad, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4,
-    )
+    grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=CONSUMERS * CONSUMER_ROWS,
+                                 q_tile_rows=CONSUMER_ROWS)
+    _fsattn_fwd_gluon_ws_kernel[grid](*args, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3], STAGES=num_stages,
+                                      CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out, lse
