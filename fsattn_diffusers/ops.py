@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import replace
 
 import torch
 
@@ -72,33 +73,42 @@ def pv_dtype(config: FSAttnConfig, input_dtype: torch.dtype) -> torch.dtype:
 
 def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
     from .kernels import fsattn_fwd as fwd
-    from .kernels.quantize import quantize_kv
+    from .kernels.configs import GLUON_WS_STAGES
+    from .kernels.quantize import KVLayout, quantize_kv
 
-    kv = quantize_kv(k, v, key_weight, block_n=launch.block_n, d_pad=_padded_dim(q.shape[-1]),
-                     k_per_token=cfg.k_granularity == "token", smooth_k=cfg.smooth_k, smooth_v=cfg.smooths_v,
-                     v_dtype=pv_dtype(cfg, q.dtype))
-    bias = None
-    if key_bias is not None:
-        bias = torch.full((key_bias.shape[0], kv.k_q.shape[2]), float("-inf"), dtype=torch.float32, device=q.device)
-        bias[:, : key_bias.shape[1]] = key_bias.float() * 1.4426950408889634  # natural -> log2 units
-    if not uses_frozen_max(cfg, kv.n_tiles):
+    def quantized(pv_key_order):
+        return quantize_kv(k, v, key_weight, block_n=launch.block_n, d_pad=_padded_dim(q.shape[-1]),
+                           k_per_token=cfg.k_granularity == "token", smooth_k=cfg.smooth_k,
+                           smooth_v=cfg.smooths_v, v_dtype=pv_dtype(cfg, q.dtype), pv_key_order=pv_key_order)
+
+    if not uses_frozen_max(cfg, -(-k.shape[1] // launch.block_n)):
         frozen = fwd.FROZEN_OFF
     else:
         frozen = fwd.FROZEN_RESCALE if cfg.on_violation == "rescale" else fwd.FROZEN_RECOMPUTE
-    kernel_args = dict(bias=bias, frozen=frozen, exp_mode=_EXP_MODES[float(cfg.exp_offload)],
+    kernel_args = dict(bias=key_bias, frozen=frozen, exp_mode=_EXP_MODES[float(cfg.exp_offload)],
                        pv_fp32=cfg.pv_accum == "fp32", rowsum_mma=cfg.rowsum == "mma",
                        block_m=launch.block_m, num_warps=launch.num_warps)
     gluon_args = dict(kernel_args, num_stages=launch.num_stages)
     kernel = preferred_kernel(cfg, q.shape[-1])
-    if kernel == "gluon_ws" and _gluon_covers("fsattn_fwd_gluon_ws", q, out, kv, gluon_args):
-        if _launch_gluon("fsattn_fwd_gluon_ws", q, kv, out, lse, sm_scale=scale, num_stages=launch.num_stages):
+    # The warp-specialised kernel reads V in its own key order: decide before quantising.
+    layout = KVLayout(cfg.k_granularity == "token", pv_dtype(cfg, q.dtype), launch.block_n)
+    ws_stages = cfg.num_stages or GLUON_WS_STAGES
+    if kernel == "gluon_ws" and _gluon_covers("fsattn_fwd_gluon_ws", q, out, replace(layout, pv_key_order="wgmma"),
+                                              dict(gluon_args, num_stages=ws_stages)):
+        if _launch_gluon("fsattn_fwd_gluon_ws", q, quantized("wgmma"), out, lse, sm_scale=scale,
+                         num_stages=ws_stages):
             return
-    if kernel == "gluon" and _gluon_covers("fsattn_fwd_gluon", q, out, kv, gluon_args):
+    kv = quantized("natural")
+    if kernel == "gluon" and _gluon_covers("fsattn_fwd_gluon", q, out, layout, gluon_args):
         if _launch_gluon("fsattn_fwd_gluon", q, kv, out, lse, sm_scale=scale, block_m=launch.block_m,
                          num_warps=launch.num_warps, num_stages=launch.num_stages):
             return
+    bias = None
+    if key_bias is not None:
+        bias = torch.full((key_bias.shape[0], kv.k_q.shape[2]), float("-inf"), dtype=torch.float32, device=q.device)
+        bias[:, : key_bias.shape[1]] = key_bias.float() * 1.4426950408889634  # natural -> log2 units
     fwd.fsattn_fwd(q, kv, out, lse, stats.fallback_counter(q.device), sm_scale=scale,
-                   max_threshold=cfg.max_threshold, num_stages=launch.num_stages, **kernel_args)
+                   max_threshold=cfg.max_threshold, num_stages=launch.num_stages, **dict(kernel_args, bias=bias))
 
 
 def preferred_kernel(config: FSAttnConfig, head_dim: int) -> str:
@@ -111,12 +121,13 @@ def preferred_kernel(config: FSAttnConfig, head_dim: int) -> str:
     return "gluon_ws" if _padded_dim(head_dim) == 128 else "triton"
 
 
-def _gluon_covers(module: str, q, out, kv, kernel_args) -> bool:
-    """Whether Gluon kernel `module` (Hopper only) takes this call; else the Triton kernel runs it."""
+def _gluon_covers(module: str, q, out, layout, kernel_args) -> bool:
+    """Whether Gluon kernel `module` (Hopper only) takes this call, with K/V quantised to `layout`
+    (a :class:`~.kernels.quantize.KVLayout`); else the Triton kernel runs it."""
     if q.device.type != "cuda" or _capability(q.device.index) != (9, 0) or out.stride(-1) != 1:
         return False
     gluon = None if module in _DISABLED_GLUON else _gluon_module(module)
-    return gluon is not None and gluon.supports(kv, **kernel_args)
+    return gluon is not None and gluon.supports(layout, **kernel_args)
 
 
 def _launch_gluon(name: str, *args, **kwargs) -> bool:

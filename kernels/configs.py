@@ -30,6 +30,10 @@ _TABLE = {
         128: LaunchConfig(64, 128, 4, 3),
     },
 }
+# The warp-specialised Gluon kernel's K/V ring on sm_90 (same 64 x 128 tiles, one program per SM):
+# with P in the PV GEMM's register order, four stages measured 0.5-2.6 % faster than three at the
+# Wan and HunyuanVideo shapes (benchmarks/NOTES.md v8).
+GLUON_WS_STAGES = 4
 # Ada (sm_89) and Blackwell run the same kernel; these are conservative, correct choices.
 _GENERIC = LaunchConfig(64, 64, 4, 2)
 # The Triton interpreter (CPU tests) wants small tiles to stay quick.

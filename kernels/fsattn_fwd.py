@@ -342,6 +342,8 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
     """
     if exp_mode != EXP_MODE_SFU and kv.v_t.dtype != torch.float8_e4m3fn:
         raise ValueError("the bit-level exponential writes FP8 bits: it needs an FP8 V")
+    if kv.pv_key_order != "natural":
+        raise ValueError(f"the Triton kernel reads V in the natural key order, got {kv.pv_key_order!r}")
     bsz, seq_q, n_q_heads, head_dim = q.shape
     n_kv_heads = kv.k_q.shape[1]
     d_pad = kv.k_q.shape[3]

@@ -59,7 +59,7 @@ def _softmax_tile(s_bits, ks, qs, m):
     pre = s_bits.to(gl.float32) * gl.expand_dims(ks, 0)
     # The row max of the undequantised scores (qs > 0), so the subtraction rides in the next FMA.
     m_new = gl.maximum(m, gl.max(pre, 1) * qs)
-    p = gl.exp2(pre * gl.expand_dims(qs, 1) + gl.expand_dims(8.0 - m_new, 1))
+    p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(8.0 - m_new, 1)))
     alpha = gl.exp2(m - m_new)
     return p, m_new, alpha
 
@@ -188,16 +188,18 @@ def _fsattn_fwd_gluon_kernel(
     gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
 
 
-def supports(kv, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
-    """Whether the Gluon kernel covers this call (else the Triton kernel runs it).
+def supports(layout, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
+    """Whether the Gluon kernel covers this call (else the Triton kernel runs it); `layout` is the
+    :class:`~.quantize.KVLayout` of the quantised K/V.
 
     Only the tiles it was tested with: 64 x 128, one warpgroup, 2 to 4 pipeline stages. With one
     stage the loop would wait for a tile it issues only later (a hang); more than four do not fit
     shared memory at head dim 128.
     """
     return (bias is None and frozen == 0 and exp_mode == 0 and not pv_fp32 and rowsum_mma
-            and kv.k_per_token and kv.v_t.dtype == torch.float8_e4m3fn and block_m == 64 and kv.block_n == 128
-            and num_warps == 4 and 2 <= num_stages <= 4 and kv.key_weight.shape[1] == ROWSUM_COLS)
+            and layout.k_per_token and layout.v_dtype == torch.float8_e4m3fn and block_m == 64
+            and layout.block_n == 128 and layout.pv_key_order == "natural" and num_warps == 4
+            and 2 <= num_stages <= 4)
 
 
 def _descriptor(t2d: torch.Tensor, block_shape, dtype) -> TensorDescriptor:
@@ -210,6 +212,8 @@ def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
 
     `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
     """
+    if kv.key_weight.shape[1] != ROWSUM_COLS:
+        raise ValueError(f"the row-sum weights must have {ROWSUM_COLS} rows, got {kv.key_weight.shape[1]}")
     bsz, seq_q, n_q_heads, head_dim = q.shape
     _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
     block_n = kv.block_n
@@ -236,6 +240,8 @@ def fsattn_fwd_gluon(q, kv, out, lse, *, sm_scale, block_m=64, num_warps=4, num_
     if not 2 <= num_stages <= 4 or block_m != 64 or num_warps != 4 or kv.block_n != 128:
         raise ValueError(f"the Gluon kernel takes 64 x 128 tiles, 4 warps and 2-4 stages; got block_m={block_m}, "
                          f"block_n={kv.block_n}, num_warps={num_warps}, num_stages={num_stages}")
+    if kv.pv_key_order != "natural":
+        raise ValueError(f"the Gluon kernel reads V in the natural key order, got {kv.pv_key_order!r}")
     grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=block_m, q_tile_rows=block_m)
     _fsattn_fwd_gluon_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3],
                                    STAGES=num_stages, num_warps=num_warps)

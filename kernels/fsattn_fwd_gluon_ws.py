@@ -1,6 +1,6 @@
 """The online fused-softmax forward in Gluon for Hopper, warp-specialised, with the two consumer
 warpgroups taking turns at the tensor cores (FlashAttention-3's ping-pong); the default on sm_90
-at head dims 65-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7).
+at head dims 65-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8).
 
 Why: the Triton kernel runs one warpgroup per program, two programs per SM, each issuing its own
 loads (address arithmetic and ``cp.async`` in the softmax's instruction stream), meeting a
@@ -15,12 +15,16 @@ found its loop bound by those waits, not by a unit. Here, per program of 2 x 64 
                                        the score GEMM of tile j + 1, hand the turn over; wait for
                                        PV, release the stage
 
-Only mbarriers synchronise (no program-wide barrier). Measured on the H200 (NOTES v7): 728 and
-762 TFLOP/s at the Wan-1.3B and 14B shapes against the Triton kernel's 667 and 680; without the
-ping-pong the same structure only tied it; at head dim 64 it is slower (447 vs 476), so head dims
-up to 64 stay on the Triton kernel. Coverage: per-key K scales, FP8 V, tensor-core row sum, no
-float bias, default tiles; other configurations run the Triton kernel. Gluon does not run in
-Triton's interpreter: the GPU tests exercise this kernel.
+Only mbarriers synchronise (no program-wide barrier). P goes from the score accumulator to the PV
+GEMM's register operand without moving between threads: V and the row-sum weights come in the
+"wgmma" key order (``quantize_kv(..., pv_key_order="wgmma")``), which matches the keys each
+thread already holds (:func:`_in_wgmma_order`). Measured on the H200 (NOTES v8): 776 and 811
+TFLOP/s at the Wan-1.3B and 14B shapes against the Triton kernel's 672 and 668 (v7, with a
+shuffle of P between the GEMMs: 733 and 759); without the ping-pong the same structure only
+tied the Triton kernel; at head dim 64 it is slower (465 vs 480), so head dims up to 64 stay on
+the Triton kernel. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, default
+tiles; other configurations run the Triton kernel. Gluon does not run in Triton's interpreter:
+the GPU tests exercise this kernel.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .fsattn_fwd_gluon import LN2, ROWSUM_COLS, ROWSUM_N, _softmax_tile, launch_operands
+from .fsattn_fwd_gluon import LN2, ROWSUM_N, _softmax_tile, launch_operands
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
@@ -62,6 +66,21 @@ def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, 
         tma.async_copy_global_to_shared(k_desc, [kv_row + tile * BLOCK_N, 0], bar, k_smem.index(stage))
         tma.async_copy_global_to_shared(vt_desc, [vt_row, tile * BLOCK_N], bar, vt_smem.index(stage))
         tma.async_copy_global_to_shared(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
+
+
+@gluon.jit
+def _in_wgmma_order(p, layout: gl.constexpr):
+    """P as the PV GEMM's register operand without moving data between threads: column kA of the
+    result is key pi(kA), where within each 32 keys pi takes the bits (b4 b3 b2 b1 b0) of kA to
+    (b4 b1 b3 b2 b0) (``quantize.wgmma_key_of_column``), the keys each thread already holds in the
+    score accumulator's layout; V^T and the row-sum weights are stored in that order, so the
+    product is unchanged. The convert is register renaming: the SASS of the loop lost its 16
+    SHFL, 16 SEL (604 -> 571 instructions per tile and warp, NOTES v8)."""
+    ROWS: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    x = gl.reshape(p, [ROWS, N // 32, 2, 2, 4, 2])
+    x = gl.permute(x, [0, 1, 2, 4, 3, 5])
+    return gl.convert_layout(gl.reshape(x, [ROWS, N]), layout)
 
 
 @gluon.jit
@@ -146,7 +165,7 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         p, m, alpha = _softmax_tile(s, ks, qs, m)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_o_layout)
+        p8 = _in_wgmma_order(p.to(gl.float8e4nv), p_o_layout)
         ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
         mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
@@ -166,7 +185,7 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     p, m, alpha = _softmax_tile(s, ks, qs, m)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
-    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_o_layout)
+    p8 = _in_wgmma_order(p.to(gl.float8e4nv), p_o_layout)
     mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
@@ -226,14 +245,15 @@ def _fsattn_fwd_gluon_ws_kernel(
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def supports(kv, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
+def supports(layout, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
     """Whether this kernel covers the call (else the Triton kernel runs it): the default numerics
     (online softmax, per-key K scales, FP8 V, tensor-core row sum, no float bias), the default
-    tiles (64-row warpgroups, 128 keys, 4 warps each) and 2-4 pipeline stages."""
+    tiles (64-row warpgroups, 128 keys, 4 warps each), 2-4 pipeline stages, and V and the row-sum
+    weights in the "wgmma" key order (`layout`: the :class:`~.quantize.KVLayout` to quantise to)."""
     return (bias is None and frozen == 0 and exp_mode == 0 and not pv_fp32 and rowsum_mma
-            and kv.k_per_token and kv.v_t.dtype == torch.float8_e4m3fn and block_m == CONSUMER_ROWS
-            and kv.block_n == 128 and num_warps == 4 and 2 <= num_stages <= 4
-            and kv.key_weight.shape[1] == ROWSUM_COLS)
+            and layout.k_per_token and layout.v_dtype == torch.float8_e4m3fn and block_m == CONSUMER_ROWS
+            and layout.block_n == 128 and layout.pv_key_order == "wgmma" and num_warps == 4
+            and 2 <= num_stages <= 4)
 
 
 def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=3):
@@ -244,6 +264,9 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=3):
     if not 2 <= num_stages <= 4 or kv.block_n != 128:
         raise ValueError(f"the warp-specialised Gluon kernel takes 128-key tiles and 2-4 stages; got "
                          f"block_n={kv.block_n}, num_stages={num_stages}")
+    if kv.pv_key_order != "wgmma":
+        raise ValueError("the warp-specialised Gluon kernel reads V in the wgmma key order "
+                         f"(quantize_kv(..., pv_key_order='wgmma')), got {kv.pv_key_order!r}")
     grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=CONSUMERS * CONSUMER_ROWS,
                                  q_tile_rows=CONSUMER_ROWS)
     _fsattn_fwd_gluon_ws_kernel[grid](*args, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3], STAGES=num_stages,

@@ -35,6 +35,19 @@ FP8_E4M3_MAX = 448.0
 ROWSUM_COLS = 16
 
 
+PV_KEY_ORDERS = ("natural", "wgmma")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a forward kernel needs to know of the quantised K/V, known before they exist."""
+
+    k_per_token: bool
+    v_dtype: torch.dtype
+    block_n: int
+    pv_key_order: str = "natural"
+
+
 @dataclass
 class QuantizedKV:
     """The pre-pass's output, in the layouts the forward kernel reads."""
@@ -50,6 +63,19 @@ class QuantizedKV:
     block_n: int
     n_tiles: int
     seq_len: int
+    # "natural": column j of v_t and key_weight is key j. "wgmma": within every 32 keys, column c
+    # holds key wgmma_key_of_column(c), the order in which the warp-specialised Gluon kernel's P
+    # sits in registers as the PV GEMM's operand (no shuffle between the two GEMMs).
+    pv_key_order: str = "natural"
+
+
+def wgmma_key_of_column(columns: torch.Tensor) -> torch.Tensor:
+    """The key held in column c under the "wgmma" order: the bits (b4 b3 b2 b1 b0) of c within its
+    32 keys become (b4 b1 b3 b2 b0). In the m64nNk32 score accumulator a thread holds keys
+    8g + 2q + {0, 1}; as the PV GEMM's 8-bit register operand it holds k = 4q + {0..3} and
+    16 + 4q + {0..3} of every 32: this order makes those the same keys."""
+    c = columns
+    return (c & ~31) | (c & 16) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1) | (c & 1)
 
 
 @triton.jit
@@ -121,6 +147,7 @@ def _quantize_kv_kernel(
     HAS_WEIGHT: tl.constexpr,
     K_PER_TOKEN: tl.constexpr,
     V_FP8: tl.constexpr,
+    WGMMA_ORDER: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -164,7 +191,10 @@ def _quantize_kv_kernel(
         v = tl.minimum(tl.maximum(v, -448.0), 448.0)  # rounding may step past 448; e4m3fn has no Inf
     else:
         v = tl.where(keep & in_bounds, v, 0.0)
-    vt_offs = (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + rows[:, None]
+    vt_cols = rows
+    if WGMMA_ORDER:  # the inverse of wgmma_key_of_column: key bits (k4 k3 k2 k1 k0) -> (k4 k2 k1 k3 k0)
+        vt_cols = (rows & ~31) | (rows & 16) | (((rows >> 1) & 3) << 2) | (((rows >> 3) & 1) << 1) | (rows & 1)
+    vt_offs = (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + vt_cols[:, None]
     v_low = to_low_precision(v, vt_ptr.dtype.element_ty, SOFT_ROUND)
     tl.store(vt_ptr + vt_offs, v_low)
     # The rounding error summed over this tile's keys, per channel (in scaled units). Rounding a
@@ -218,7 +248,7 @@ def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
 
 
 def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smooth_k=True, smooth_v=True,
-                v_dtype=torch.float8_e4m3fn) -> QuantizedKV:
+                v_dtype=torch.float8_e4m3fn, pv_key_order="natural") -> QuantizedKV:
     """Quantise K to INT8 and pack V (FP8 with per-channel scales, or 16-bit) for the forward kernel.
 
     Parameters
@@ -232,7 +262,14 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     v_dtype : torch.dtype
         ``torch.float8_e4m3fn`` (scaled per channel, optionally mean-centred by `smooth_v`),
         ``torch.bfloat16`` or ``torch.float16`` (copied as is).
+    pv_key_order : str
+        The order of the keys in ``v_t`` and ``key_weight`` (:class:`QuantizedKV`): ``"natural"``
+        for the Triton kernel, ``"wgmma"`` for the warp-specialised Gluon kernel.
     """
+    if pv_key_order not in PV_KEY_ORDERS:
+        raise ValueError(f"pv_key_order must be one of {PV_KEY_ORDERS}, got {pv_key_order!r}")
+    if pv_key_order == "wgmma" and block_n % 32:
+        raise ValueError(f"the wgmma key order permutes within 32 keys: block_n must be a multiple of 32, got {block_n}")
     bsz, seq_len, heads, dim = k.shape
     n_tiles = triton.cdiv(seq_len, block_n)
     s_pad = n_tiles * block_n
@@ -258,6 +295,7 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
         HAS_WEIGHT=key_weight is not None,
         K_PER_TOKEN=k_per_token,
         V_FP8=v_fp8,
+        WGMMA_ORDER=pv_key_order == "wgmma",
         SOFT_ROUND=INTERPRETER,
         BLOCK_N=block_n,
         D_PAD=d_pad,
@@ -271,8 +309,10 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     w_rows = 1 if key_weight is None else bsz
     weight = torch.zeros(w_rows, ROWSUM_COLS, s_pad, dtype=torch.float32, device=dev)
     weight[:, 0, :seq_len] = 1.0 if key_weight is None else key_weight
+    if pv_key_order == "wgmma":
+        weight = weight[:, :, wgmma_key_of_column(torch.arange(s_pad, device=dev))]
     return QuantizedKV(
         k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
         key_weight=weight.to(v_dtype), k_per_token=k_per_token, block_n=block_n, n_tiles=n_tiles,
-        seq_len=seq_len,
+        seq_len=seq_len, pv_key_order=pv_key_order,
     )

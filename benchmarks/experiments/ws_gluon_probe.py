@@ -26,7 +26,8 @@ from fsattn_diffusers.reference import attention_reference
 def run(q, k, v, weight, kernel, stages):
     d = q.shape[-1]
     d_pad = 64 if d <= 64 else 128
-    kv = quantize_kv(k, v, weight, block_n=128, d_pad=d_pad, k_per_token=True)
+    kv = quantize_kv(k, v, weight, block_n=128, d_pad=d_pad, k_per_token=True,
+                     pv_key_order="wgmma" if kernel == "ws" else "natural")
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     if kernel == "ws":

@@ -77,3 +77,44 @@ def test_quantize_q_folds_scale_and_pads():
     assert (dequant - q_log2).abs().max() <= 0.5 * scale.max() * 1.0001
     expected = (q.float().transpose(1, 2) * k_mean.repeat_interleave(2, 1)[:, :, None, :48]).sum(-1) * 0.2
     torch.testing.assert_close(qq.q_dot_k_mean[:, :, :50], expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_wgmma_key_order_gives_each_thread_its_own_keys():
+    # In the m64nNk32 score accumulator, thread q of a quad holds keys 8g + 2q + {0, 1} of every 32;
+    # as the 8-bit register operand of the PV GEMM it holds k = 4q + {0..3} and 16 + 4q + {0..3}.
+    from fsattn_diffusers.kernels.quantize import wgmma_key_of_column
+
+    keys = wgmma_key_of_column(torch.arange(96))
+    assert torch.equal(keys.sort().values, torch.arange(96))
+    for chunk in range(3):
+        for q in range(4):
+            operand_cols = [32 * chunk + 16 * h + 4 * q + j for h in range(2) for j in range(4)]
+            held = {32 * chunk + 8 * g + 2 * q + e for g in range(4) for e in range(2)}
+            assert set(keys[operand_cols].tolist()) == held
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_wgmma_key_order_permutes_only_v_and_the_row_sum_weights(masked):
+    from fsattn_diffusers.kernels.quantize import wgmma_key_of_column
+
+    gen = torch.Generator().manual_seed(3)
+    k = (torch.randn(2, 150, 2, 64, generator=gen) * 3).to(DEVICE)
+    v = (torch.randn(2, 150, 2, 64, generator=gen) + 1).to(DEVICE)
+    weight = (torch.rand(2, 150, generator=gen) > 0.3).float().to(DEVICE) if masked else None
+    natural = quantize_kv(k, v, weight, block_n=64, d_pad=64)
+    wgmma = quantize_kv(k, v, weight, block_n=64, d_pad=64, pv_key_order="wgmma")
+    assert natural.pv_key_order == "natural" and wgmma.pv_key_order == "wgmma"
+    keys = wgmma_key_of_column(torch.arange(natural.v_t.shape[-1], device=DEVICE))
+    assert torch.equal(wgmma.v_t.view(torch.uint8), natural.v_t.view(torch.uint8)[..., keys])
+    assert torch.equal(wgmma.key_weight.view(torch.uint8), natural.key_weight.view(torch.uint8)[..., keys])
+    assert not torch.equal(wgmma.v_t.view(torch.uint8), natural.v_t.view(torch.uint8))
+    for name in ("k_q", "k_scale", "k_mean", "v_scale", "v_mean"):
+        assert torch.equal(getattr(wgmma, name), getattr(natural, name)), name
+
+
+def test_an_unknown_key_order_is_refused():
+    k = torch.randn(1, 40, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="pv_key_order"):
+        quantize_kv(k, k, None, block_n=32, d_pad=64, pv_key_order="shuffled")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_kv(k, k, None, block_n=16, d_pad=64, pv_key_order="wgmma")
