@@ -2,7 +2,7 @@
 
     python benchmarks/compile_check.py                       # every variant at the default tiles
     python benchmarks/compile_check.py --tiles 128,64,4,3    # BLOCK_M,BLOCK_N,num_warps,num_stages
-    python benchmarks/compile_check.py --gluon-ws --tiles 3,128   # the warp-specialised kernel: stages,D_PAD
+    python benchmarks/compile_check.py --gluon-ws --tiles 4,128   # the warp-specialised kernel: stages,D_PAD
 
 Costs no device time: Triton's bundled ptxas assembles for sm_90a here, so compile errors, spills
 and missing wgmma instructions show before a lease.
@@ -146,7 +146,7 @@ def main():
     parser.add_argument("--dump", default=None, help="folder to write each variant's PTX and SASS into")
     args = parser.parse_args()
     if args.gluon_ws:
-        for spec in args.tiles if args.tiles != parser.get_default("tiles") else ["3,128"]:
+        for spec in args.tiles if args.tiles != parser.get_default("tiles") else ["4,128"]:
             stages, d_pad = (int(x) for x in spec.split(",")[:2])
             k = compile_gluon_ws(stages, d_pad)
             ptx = k.asm["ptx"]

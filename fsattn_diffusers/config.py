@@ -96,8 +96,8 @@ class FSAttnConfig:
         fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims 65-128 where it covers the
         call, else the Triton kernel. ``"triton"``: the Triton kernel, every configuration and
         GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon kernel, a TMA producer warp
-        and two consumer warpgroups that take turns at the tensor cores; 9-12 % faster than the
-        Triton kernel at head dim 128 on the H200, 4 % slower at 64 (benchmarks/NOTES.md v7).
+        and two consumer warpgroups that take turns at the tensor cores; 15-21 % faster than the
+        Triton kernel at head dim 128 on the H200, 3 % slower at 64 (benchmarks/NOTES.md v8).
         ``"gluon"`` (experimental, Hopper only): the Gluon kernel that overlaps the next tile's
         score GEMM with the current softmax inside one warpgroup; 8-25 % slower than the Triton
         kernel (NOTES v4). Both Gluon kernels cover the default numerics only (online max,

@@ -32,7 +32,8 @@ _TABLE = {
 }
 # The warp-specialised Gluon kernel's K/V ring on sm_90 (same 64 x 128 tiles, one program per SM):
 # with P in the PV GEMM's register order, four stages measured 0.5-2.6 % faster than three at the
-# Wan and HunyuanVideo shapes (benchmarks/NOTES.md v8).
+# Wan and HunyuanVideo shapes in one process (benchmarks/NOTES.md v8), about the run-to-run spread:
+# a small, not a certain, gain.
 GLUON_WS_STAGES = 4
 # Ada (sm_89) and Blackwell run the same kernel; these are conservative, correct choices.
 _GENERIC = LaunchConfig(64, 64, 4, 2)

@@ -190,7 +190,7 @@ def _fsattn_fwd_gluon_kernel(
 
 def supports(layout, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
     """Whether the Gluon kernel covers this call (else the Triton kernel runs it); `layout` is the
-    :class:`~.quantize.KVLayout` of the quantised K/V.
+    :class:`~.quantize.KVLayout` of the quantised K/V (natural key order).
 
     Only the tiles it was tested with: 64 x 128, one warpgroup, 2 to 4 pipeline stages. With one
     stage the loop would wait for a tile it issues only later (a hang); more than four do not fit

@@ -21,7 +21,7 @@ GEMM's register operand without moving between threads: V and the row-sum weight
 thread already holds (:func:`_in_wgmma_order`). Measured on the H200 (NOTES v8): 776 and 811
 TFLOP/s at the Wan-1.3B and 14B shapes against the Triton kernel's 672 and 668 (v7, with a
 shuffle of P between the GEMMs: 733 and 759); without the ping-pong the same structure only
-tied the Triton kernel; at head dim 64 it is slower (465 vs 480), so head dims up to 64 stay on
+tied the Triton kernel; at head dim 64 it is slower (465 vs 482), so head dims up to 64 stay on
 the Triton kernel. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, default
 tiles; other configurations run the Triton kernel. Gluon does not run in Triton's interpreter:
 the GPU tests exercise this kernel.
@@ -34,6 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .configs import GLUON_WS_STAGES
 from .fsattn_fwd_gluon import LN2, ROWSUM_N, _softmax_tile, launch_operands
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
@@ -68,6 +69,13 @@ def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, 
         tma.async_copy_global_to_shared(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
 
 
+# _in_wgmma_order's split of each 32 keys into (b4, b3, b2 b1, b0) and the axis order that makes
+# them operand columns; tests/kernels/test_quantize.py replays both in torch against
+# quantize.wgmma_key_of_column, the order V is stored in.
+WGMMA_KEY_SPLIT = gl.constexpr((2, 2, 4, 2))
+WGMMA_AXES = gl.constexpr((0, 1, 2, 4, 3, 5))
+
+
 @gluon.jit
 def _in_wgmma_order(p, layout: gl.constexpr):
     """P as the PV GEMM's register operand without moving data between threads: column kA of the
@@ -78,8 +86,9 @@ def _in_wgmma_order(p, layout: gl.constexpr):
     SHFL, 16 SEL (604 -> 571 instructions per tile and warp, NOTES v8)."""
     ROWS: gl.constexpr = p.shape[0]
     N: gl.constexpr = p.shape[1]
-    x = gl.reshape(p, [ROWS, N // 32, 2, 2, 4, 2])
-    x = gl.permute(x, [0, 1, 2, 4, 3, 5])
+    x = gl.reshape(p, [ROWS, N // 32, WGMMA_KEY_SPLIT[0], WGMMA_KEY_SPLIT[1], WGMMA_KEY_SPLIT[2],
+                       WGMMA_KEY_SPLIT[3]])
+    x = gl.permute(x, [WGMMA_AXES[0], WGMMA_AXES[1], WGMMA_AXES[2], WGMMA_AXES[3], WGMMA_AXES[4], WGMMA_AXES[5]])
     return gl.convert_layout(gl.reshape(x, [ROWS, N]), layout)
 
 
@@ -256,8 +265,9 @@ def supports(layout, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_w
             and 2 <= num_stages <= 4)
 
 
-def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=3):
-    """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`.
+def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES):
+    """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`,
+    except that `kv` must be quantised with ``pv_key_order="wgmma"``.
 
     Callers check :func:`supports` first; a call outside it raises here rather than hang the GPU.
     """

@@ -202,3 +202,28 @@ def test_the_warp_specialised_kernel_runs_four_stages_unless_the_config_says(mon
     launch = ops.launch_config(config, torch.device("cpu"), 128)
     ops._run_kernels(q, k, None, None, None, 0.1, config, launch, torch.empty(2, 3), None)
     assert launched == [stages]
+
+
+def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
+    # Through ops with the real pre-pass (Triton's interpreter on CPU): what reaches the Gluon
+    # launcher is the natural quantisation with V and the row-sum weights permuted, nothing else.
+    from fsattn_diffusers import ops
+    from fsattn_diffusers.kernels.quantize import quantize_kv, wgmma_key_of_column
+
+    received = []
+    fake = SimpleNamespace(fsattn_fwd_gluon_ws=lambda q, kv, *a, **kw: received.append(kv))
+    monkeypatch.setattr(ops, "_gluon_module", lambda name: fake)
+    monkeypatch.setattr(ops, "_gluon_covers", lambda module, *a: module == "fsattn_fwd_gluon_ws")
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 100, 2, 64, generator=gen) for _ in range(3))
+    weight = (torch.rand(1, 100, generator=gen) > 0.2).float()
+    config = FSAttnConfig(kernel="gluon_ws")  # head dim 64 keeps the interpreter quick; "auto" runs Triton there
+    launch = ops.launch_config(config, torch.device("cpu"), 64)
+    ops._run_kernels(q, k, v, weight, None, 0.125, config, launch, torch.empty_like(q), None)
+    (kv,) = received
+    natural = quantize_kv(k, v, weight, block_n=launch.block_n, d_pad=64)
+    keys = wgmma_key_of_column(torch.arange(natural.v_t.shape[-1]))
+    assert kv.pv_key_order == "wgmma"
+    assert torch.equal(kv.v_t.view(torch.uint8), natural.v_t.view(torch.uint8)[..., keys])
+    assert torch.equal(kv.key_weight.view(torch.uint8), natural.key_weight.view(torch.uint8)[..., keys])
+    assert torch.equal(kv.k_q, natural.k_q) and torch.equal(kv.k_scale, natural.k_scale)
