@@ -161,6 +161,55 @@ def wan_model(rank, world_size, device, *, model, dtype, latent, text_tokens, la
     return result
 
 
+def ltx_model(rank, world_size, device, *, latent, text_tokens, layouts, qk_gain=1.0):
+    """A tiny LTX-Video transformer (diffusers' second video DiT with a context-parallel plan, which
+    splits the text across ranks too), single-process (SDPA, fsattn) and under context parallelism.
+
+    Same contract as :func:`wan_model`; float32, one block, no text mask (a mask would make the
+    ring raise: fsattn takes key-padding masks under Ulysses only).
+    """
+    from diffusers import LTXVideoTransformer3DModel
+
+    import fsattn_diffusers
+    from fsattn_diffusers import FSAttnConfig, register_fsattn_backend
+
+    register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=0))
+    frames, height, width = latent
+    config = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=64,
+                  cross_attention_dim=128, num_layers=1, caption_channels=32)
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(1, frames * height * width, 8, generator=g).to(device),
+                  encoder_hidden_states=torch.randn(1, text_tokens, 32, generator=g).to(device),
+                  timestep=torch.tensor([700], device=device), encoder_attention_mask=None,
+                  num_frames=frames, height=height, width=width)
+
+    def build(backend):
+        torch.manual_seed(0)
+        transformer = LTXVideoTransformer3DModel(**config).to(device).eval()
+        with torch.no_grad():
+            for block in transformer.transformer_blocks:
+                block.attn1.norm_q.weight.mul_(qk_gain)
+                block.attn1.norm_k.weight.mul_(qk_gain)
+        transformer.set_attention_backend(backend)
+        return transformer
+
+    def forward(transformer):
+        with torch.no_grad():
+            return transformer(**inputs, return_dict=False)[0].float().cpu()
+
+    result = {}
+    if rank == 0:
+        for backend in ("native", "fsattn"):
+            result["single_" + backend] = forward(build(backend))
+    for name, (ulysses, ring) in layouts.items():
+        transformer = build("fsattn")
+        enable_context_parallelism(transformer, ulysses, ring)
+        fsattn_diffusers.reset_stats()
+        result[name] = forward(transformer)
+        result[name + "_stats"] = _stats_of_every_rank()
+    return result
+
+
 def ring_attention(rank, world_size, device, *, dtype, seq, heads, head_dim):
     """fsattn's backend function under ring attention (ring_degree = world size), at the attention level.
 
@@ -284,4 +333,5 @@ def fallbacks(rank, world_size, device):
     return result
 
 
-SCENARIOS = {"wan_model": wan_model, "ring_attention": ring_attention, "fallbacks": fallbacks}
+SCENARIOS = {"wan_model": wan_model, "ltx_model": ltx_model, "ring_attention": ring_attention,
+             "fallbacks": fallbacks}

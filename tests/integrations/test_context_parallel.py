@@ -69,6 +69,25 @@ def test_tiny_wan_under_ulysses_and_ring_together_on_four_ranks(tmp_path):
     _check_model_run(result, "unified", ring_steps=2)
 
 
+def test_tiny_ltx_video_under_ulysses_and_ring_matches_one_process(tmp_path):
+    # diffusers' LTX plan splits the text as well: the cross-attention's keys are sharded too.
+    result = launch({"ltx_model": dict(latent=(2, 4, 4), text_tokens=8, qk_gain=2.5,
+                                       layouts={"ulysses": (2, 1), "ring": (1, 2)})}, 2, "cpu", tmp_path)["ltx_model"]
+    for name, ring_steps in (("ulysses", 1), ("ring", 2)):
+        single, sdpa, out = result["single_fsattn"], result["single_native"], result[name]
+        own_error = max_abs(single, sdpa)
+        assert own_error > 0
+        assert cosine_similarity(out, single) >= 0.9999 and cosine_similarity(out, sdpa) >= 0.999
+        if ring_steps == 1:
+            assert max_abs(out, single) <= 1e-5 * single.abs().max().item()
+        else:
+            assert max_abs(out, sdpa) <= 1.5 * own_error and max_abs(out, single) <= 2.5 * own_error
+        for rank_stats in result[name + "_stats"]:
+            # self- and cross-attention both ran fsattn, once per ring step; nothing fell back
+            assert rank_stats["calls"] == {"emulation": 2 * ring_steps}
+            assert rank_stats["sdpa_fallbacks"] == {}
+
+
 @pytest.fixture(scope="module")
 def attention_runs(tmp_path_factory):
     """Attention-level runs on 2 ranks, in one spawn: the ring's merge and the fallbacks."""
