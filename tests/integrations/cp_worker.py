@@ -113,7 +113,6 @@ def wan_model(rank, world_size, device, *, model, dtype, latent, text_tokens, la
         attention, under which chunks of keys have nearly equal log-sum-exps and a ring merge
         that weighted them wrongly would go unseen.
     """
-    import fsattn_diffusers
     from fsattn_diffusers import FSAttnConfig, builtin_models, register_fsattn_backend
 
     # Every call on the kernel, however small (the call counts below expect it).
@@ -128,37 +127,10 @@ def wan_model(rank, world_size, device, *, model, dtype, latent, text_tokens, la
                                           generator=g).to(device, dtype),
     )
 
-    def build(backend):
-        transformer = builtin_models.build_transformer(model, device, dtype, seed=0)
-        with torch.no_grad():
-            for block in transformer.blocks:
-                block.attn1.norm_q.weight.mul_(qk_gain)
-                block.attn1.norm_k.weight.mul_(qk_gain)
-        transformer.set_attention_backend(backend)
-        return transformer
+    def build():
+        return builtin_models.build_transformer(model, device, dtype, seed=0)
 
-    def forward(transformer):
-        with torch.no_grad():
-            return transformer(**inputs, return_dict=False)[0].float().cpu()
-
-    result = {}
-    if rank == 0:  # the references need no other rank
-        for backend in ("native", "fsattn"):
-            transformer = build(backend)
-            result["single_" + backend] = forward(transformer)
-            del transformer
-    for name, (ulysses, ring) in layouts.items():
-        transformer = build("fsattn")
-        enable_context_parallelism(transformer, ulysses, ring)
-        if device.type == "cuda":
-            forward(transformer)  # warm-up: kernel compilation
-        fsattn_diffusers.reset_stats()
-        result[name] = forward(transformer)
-        result[name + "_stats"] = _stats_of_every_rank()
-        del transformer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return result
+    return _single_and_parallel_runs(build, lambda t: t.blocks, inputs, rank, device, layouts, qk_gain)
 
 
 def ltx_model(rank, world_size, device, *, latent, text_tokens, layouts, qk_gain=1.0):
@@ -170,7 +142,6 @@ def ltx_model(rank, world_size, device, *, latent, text_tokens, layouts, qk_gain
     """
     from diffusers import LTXVideoTransformer3DModel
 
-    import fsattn_diffusers
     from fsattn_diffusers import FSAttnConfig, register_fsattn_backend
 
     register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=0))
@@ -183,11 +154,23 @@ def ltx_model(rank, world_size, device, *, latent, text_tokens, layouts, qk_gain
                   timestep=torch.tensor([700], device=device), encoder_attention_mask=None,
                   num_frames=frames, height=height, width=width)
 
-    def build(backend):
+    def build():
         torch.manual_seed(0)
-        transformer = LTXVideoTransformer3DModel(**config).to(device).eval()
+        return LTXVideoTransformer3DModel(**config).to(device).eval()
+
+    return _single_and_parallel_runs(build, lambda t: t.transformer_blocks, inputs, rank, device, layouts, qk_gain)
+
+
+def _single_and_parallel_runs(build, blocks_of, inputs, rank, device, layouts, qk_gain):
+    """The model scenarios' common part: one forward of `build()`'s transformer on SDPA and on fsattn
+    in one process (rank 0), then one under each context-parallel layout, with every rank's stats.
+    `blocks_of(transformer)` lists the blocks whose self-attention (``attn1``) gets `qk_gain`."""
+    import fsattn_diffusers
+
+    def prepared(backend):
+        transformer = build()
         with torch.no_grad():
-            for block in transformer.transformer_blocks:
+            for block in blocks_of(transformer):
                 block.attn1.norm_q.weight.mul_(qk_gain)
                 block.attn1.norm_k.weight.mul_(qk_gain)
         transformer.set_attention_backend(backend)
@@ -198,15 +181,22 @@ def ltx_model(rank, world_size, device, *, latent, text_tokens, layouts, qk_gain
             return transformer(**inputs, return_dict=False)[0].float().cpu()
 
     result = {}
-    if rank == 0:
+    if rank == 0:  # the references need no other rank
         for backend in ("native", "fsattn"):
-            result["single_" + backend] = forward(build(backend))
+            transformer = prepared(backend)
+            result["single_" + backend] = forward(transformer)
+            del transformer
     for name, (ulysses, ring) in layouts.items():
-        transformer = build("fsattn")
+        transformer = prepared("fsattn")
         enable_context_parallelism(transformer, ulysses, ring)
+        if device.type == "cuda":
+            forward(transformer)  # warm-up: kernel compilation
         fsattn_diffusers.reset_stats()
         result[name] = forward(transformer)
         result[name + "_stats"] = _stats_of_every_rank()
+        del transformer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return result
 
 
