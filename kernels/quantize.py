@@ -309,8 +309,8 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     w_rows = 1 if key_weight is None else bsz
     weight = torch.zeros(w_rows, ROWSUM_COLS, s_pad, dtype=torch.float32, device=dev)
     weight[:, 0, :seq_len] = 1.0 if key_weight is None else key_weight
-    if pv_key_order == "wgmma":
-        weight = weight[:, :, wgmma_key_of_column(torch.arange(s_pad, device=dev))]
+    if pv_key_order == "wgmma":  # only row 0 is non-zero
+        weight[:, 0] = weight[:, 0, wgmma_key_of_column(torch.arange(s_pad, device=dev))]
     return QuantizedKV(
         k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
         key_weight=weight.to(v_dtype), k_per_token=k_per_token, block_n=block_n, n_tiles=n_tiles,
