@@ -126,12 +126,33 @@ def test_other_errors_in_a_gluon_kernel_are_raised(monkeypatch):
     assert ops._DISABLED_GLUON == set()
 
 
+def _run_on_a_fake_hopper(monkeypatch, config, gluon):
+    """ops._run_kernels for a (1, 256, 2, 128) bf16 call on an sm_90 that is not there, with
+    `gluon` standing for both Gluon modules. Returns the key orders quantize_kv was asked for and
+    those of the K/V the Triton kernel received."""
+    from fsattn_diffusers import ops
+    from fsattn_diffusers.kernels import fsattn_fwd as fwd
+    from fsattn_diffusers.kernels import quantize
+
+    quantised, triton_calls = [], []
+    monkeypatch.setattr(ops, "_gluon_module", lambda name: gluon)
+    monkeypatch.setattr(ops, "_DISABLED_GLUON", set())
+    monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(quantize, "quantize_kv", lambda *a, pv_key_order, **kw: quantised.append(pv_key_order)
+                        or SimpleNamespace(n_tiles=8, pv_key_order=pv_key_order))
+    monkeypatch.setattr(ops.stats, "fallback_counter", lambda device: None)
+    monkeypatch.setattr(fwd, "fsattn_fwd", lambda q, kv, *a, **kw: triton_calls.append(kv.pv_key_order))
+    q = SimpleNamespace(shape=(1, 256, 2, 128), device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    k = SimpleNamespace(shape=(1, 1024, 2, 128))
+    launch = ops.launch_config(config, torch.device("cpu"), 128)
+    ops._run_kernels(q, k, None, None, None, 0.1, config, launch, torch.empty(2, 3), None)
+    return quantised, triton_calls
+
+
 def test_the_triton_kernel_runs_the_call_when_the_gluon_kernel_does_not_compile(monkeypatch):
     from triton.compiler.errors import CompilationError
 
     from fsattn_diffusers import ops
-    from fsattn_diffusers.kernels import fsattn_fwd as fwd
-    from fsattn_diffusers.kernels import quantize
 
     gluon_calls = []
 
@@ -139,20 +160,8 @@ def test_the_triton_kernel_runs_the_call_when_the_gluon_kernel_does_not_compile(
         gluon_calls.append(kv.pv_key_order)
         raise CompilationError(None, None, "no such builtin")
 
-    triton_calls = []
-    monkeypatch.setattr(ops, "_gluon_module", lambda name: SimpleNamespace(
-        fsattn_fwd_gluon_ws=broken, supports=lambda layout, **kw: layout.pv_key_order == "wgmma"))
-    monkeypatch.setattr(ops, "_DISABLED_GLUON", set())
-    monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(quantize, "quantize_kv", lambda *a, pv_key_order, **kw: SimpleNamespace(
-        n_tiles=8, pv_key_order=pv_key_order))
-    monkeypatch.setattr(ops.stats, "fallback_counter", lambda device: None)
-    monkeypatch.setattr(fwd, "fsattn_fwd", lambda q, kv, *a, **kw: triton_calls.append(kv.pv_key_order))
-    q = SimpleNamespace(shape=(1, 256, 2, 128), device=torch.device("cuda", 0), dtype=torch.bfloat16)
-    k = SimpleNamespace(shape=(1, 1024, 2, 128))
-    out = torch.empty(2, 3)
-    launch = ops.launch_config(FSAttnConfig(), torch.device("cpu"), 128)
-    ops._run_kernels(q, k, None, None, None, 0.1, FSAttnConfig(), launch, out, None)
+    gluon = SimpleNamespace(fsattn_fwd_gluon_ws=broken, supports=lambda layout, **kw: layout.pv_key_order == "wgmma")
+    _, triton_calls = _run_on_a_fake_hopper(monkeypatch, FSAttnConfig(), gluon)
     # The Gluon kernel got V in its key order; the Triton kernel gets it re-quantised in the natural one.
     assert gluon_calls == ["wgmma"] and triton_calls == ["natural"]
     assert ops._DISABLED_GLUON == {"fsattn_fwd_gluon_ws"}
@@ -162,45 +171,21 @@ def test_the_triton_kernel_runs_the_call_when_the_gluon_kernel_does_not_compile(
                                            (FSAttnConfig(k_granularity="block"), ["natural"]),
                                            (FSAttnConfig(kernel="gluon"), ["natural"])])
 def test_k_and_v_are_quantised_once_in_the_order_of_the_kernel_that_runs(monkeypatch, config, orders):
-    from fsattn_diffusers import ops
-    from fsattn_diffusers.kernels import fsattn_fwd as fwd
-    from fsattn_diffusers.kernels import quantize
-
-    quantised, launched = [], []
-    fake = SimpleNamespace(fsattn_fwd_gluon_ws=lambda q, kv, *a, **kw: launched.append(kv.pv_key_order),
-                           fsattn_fwd_gluon=lambda q, kv, *a, **kw: launched.append(kv.pv_key_order),
-                           supports=lambda layout, **kw: layout.k_per_token)
-    monkeypatch.setattr(ops, "_gluon_module", lambda name: fake)
-    monkeypatch.setattr(ops, "_DISABLED_GLUON", set())
-    monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(quantize, "quantize_kv", lambda *a, pv_key_order, **kw: quantised.append(pv_key_order)
-                        or SimpleNamespace(n_tiles=8, pv_key_order=pv_key_order))
-    monkeypatch.setattr(ops.stats, "fallback_counter", lambda device: None)
-    monkeypatch.setattr(fwd, "fsattn_fwd", lambda q, kv, *a, **kw: launched.append(kv.pv_key_order))
-    q = SimpleNamespace(shape=(1, 256, 2, 128), device=torch.device("cuda", 0), dtype=torch.bfloat16)
-    k = SimpleNamespace(shape=(1, 1024, 2, 128))
-    launch = ops.launch_config(config, torch.device("cpu"), 128)
-    ops._run_kernels(q, k, None, None, None, 0.1, config, launch, torch.empty(2, 3), None)
-    assert quantised == orders and launched == orders
+    launched = []
+    gluon = SimpleNamespace(fsattn_fwd_gluon_ws=lambda q, kv, *a, **kw: launched.append(kv.pv_key_order),
+                            fsattn_fwd_gluon=lambda q, kv, *a, **kw: launched.append(kv.pv_key_order),
+                            supports=lambda layout, **kw: layout.k_per_token)
+    quantised, triton_calls = _run_on_a_fake_hopper(monkeypatch, config, gluon)
+    assert quantised == orders and launched + triton_calls == orders
 
 
 @pytest.mark.parametrize("config,stages", [(FSAttnConfig(), 4), (FSAttnConfig(num_stages=3), 3)])
 def test_the_warp_specialised_kernel_runs_four_stages_unless_the_config_says(monkeypatch, config, stages):
     # NOTES v8: four stages measured 0.5-2.6 % faster than three for this kernel; an explicit setting wins.
-    from fsattn_diffusers import ops
-    from fsattn_diffusers.kernels import quantize
-
     launched = []
-    fake = SimpleNamespace(fsattn_fwd_gluon_ws=lambda *a, num_stages, **kw: launched.append(num_stages),
-                           supports=lambda layout, **kw: True)
-    monkeypatch.setattr(ops, "_gluon_module", lambda name: fake)
-    monkeypatch.setattr(ops, "_DISABLED_GLUON", set())
-    monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(quantize, "quantize_kv", lambda *a, pv_key_order, **kw: SimpleNamespace(n_tiles=8))
-    q = SimpleNamespace(shape=(1, 256, 2, 128), device=torch.device("cuda", 0), dtype=torch.bfloat16)
-    k = SimpleNamespace(shape=(1, 1024, 2, 128))
-    launch = ops.launch_config(config, torch.device("cpu"), 128)
-    ops._run_kernels(q, k, None, None, None, 0.1, config, launch, torch.empty(2, 3), None)
+    gluon = SimpleNamespace(fsattn_fwd_gluon_ws=lambda *a, num_stages, **kw: launched.append(num_stages),
+                            supports=lambda layout, **kw: True)
+    _run_on_a_fake_hopper(monkeypatch, config, gluon)
     assert launched == [stages]
 
 
