@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# NOTES v9 on the H200. PIPE=1: the pipe of each softmax instruction (pipe_probe.py). Then the
-# warp-specialised kernel's speculative max against its online max: small-shape correctness
-# against the Triton kernel and float64, the GPU kernel tests (default kernel), and the timing
-# with SDPA in the same process.
+# NOTES v9 on the H200, run with one of this folder's v9 patches applied (`git apply X.diff`; each
+# extends ws_gluon_probe.py with its rows): PIPE=1 first times each softmax instruction's pipe
+# (pipe_probe.py); then the probe's small-shape correctness against the Triton kernel and float64,
+# the probe's timing with SDPA in the same process, and (TESTS=1, default) the GPU kernel tests.
+#   ws_score_bitcast.diff (v9 b), ws_speculative_flag.diff (v9 c, d; `--clocks` for v9 d),
+#   ws_row_max_tree.diff (v9 e), ws_three_consumers.diff (v9 f)
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
