@@ -87,9 +87,9 @@ class FSAttnConfig:
         ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
         fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
         (SDPA), which is exact and, at that size, faster: fsattn's pre-passes and launches cost a
-        fixed ~0.6 ms. The default, 1e12, lies between the two H200 points around the crossover
-        (``benchmarks/results/2026-11-29_h200_v7_seqlen_sweep.png``, 12 heads x 128: fsattn is
-        0.86x of SDPA at 8192 tokens (4.1e11) and 1.08x at 16384 (1.6e12)); it sends
+        fixed ~1 ms. The default, 1e12, lies between the two H200 points around the crossover
+        (``benchmarks/results/2026-11-30_h200_v8_seqlen_sweep.png``, 12 heads x 128: fsattn is
+        0.59x of SDPA at 8192 tokens (4.1e11) and 1.13x at 16384 (1.6e12)); it sends
         cross-attention to a few hundred text tokens to SDPA. ``0`` runs every call on fsattn.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same numbers. ``"auto"`` (default): the
