@@ -4,7 +4,8 @@
 # (pipe_probe.py); then the probe's small-shape correctness against the Triton kernel and float64,
 # the probe's timing with SDPA in the same process, and (TESTS=1, default) the GPU kernel tests.
 #   ws_score_bitcast.diff (v9 b), ws_speculative_flag.diff (v9 c, d; `--clocks` for v9 d),
-#   ws_row_max_tree.diff (v9 e), ws_three_consumers.diff (v9 f)
+#   ws_row_max_tree.diff (v9 e), ws_three_consumers.diff (v9 f),
+#   ws_three_consumers_speculative.diff (v9 g, not yet run)
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
