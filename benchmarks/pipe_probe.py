@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 OPS = {
     "ffma": ("fma.rn.f32 $0, $1, 0f3F7FFFF0, 0f33800000;", "f32"),
     "fmul": ("mul.rn.f32 $0, $1, 0f3F7FFFF0;", "f32"),
+    # x -> 2^-x stays in (0.5, 1): the chain never reaches inf or denormals, whose timing may differ.
     "ex2": ("{ .reg .f32 t; neg.f32 t, $1; ex2.approx.ftz.f32 $0, t; }", "f32"),
     "ex2_f16x2": ("ex2.approx.f16x2 $0, $1;", "i32"),
     "ex2_bf16x2": ("ex2.approx.ftz.bf16x2 $0, $1;", "i32"),
@@ -65,6 +66,9 @@ def _inputs(op, n):
 
 
 def measure(op_a, op_b, n_iter=4096, warps=16, ctas_per_sm=2):
+    """Milliseconds, and thread-instructions of each kind per ns per SM. Two programs of 16 warps
+    per SM (32 warps, 8 per scheduler) x 8 independent chains hide every latency, so the time is
+    the pipe's throughput."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     block = warps * 32 * CHAINS
     n = block * sms * ctas_per_sm
@@ -78,7 +82,7 @@ def measure(op_a, op_b, n_iter=4096, warps=16, ctas_per_sm=2):
 
 
 def sass_opcodes(op: str) -> collections.Counter:
-    """SASS opcodes of the probe loop for `op` ("a" or "a+b"), compiled for sm_90a here (no GPU)."""
+    """SASS opcodes of the probe kernel for `op` ("a" or "a+b"), compiled for sm_90a here (no GPU)."""
     a, _, b = op.partition("+")
     sig = {"x_ptr": "*fp32" if OPS[a][1] == "f32" else "*i32",
            "y_ptr": "*fp32" if not b or OPS[b][1] == "f32" else "*i32", "n_iter": "i32", "BLOCK": "constexpr",
@@ -92,6 +96,8 @@ def sass_opcodes(op: str) -> collections.Counter:
             f.write(kernel.asm["ptx"])
         subprocess.run([f"{bin_dir}/ptxas", "-arch=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], check=True)
         out = subprocess.run([f"{bin_dir}/nvdisasm", "-c", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+    # The whole kernel's opcodes (the loop dominates); predicated instructions (the loop's exit
+    # branch, bounds checks) are left out.
     ops = [ln.split("*/")[1].strip().split()[0] for ln in out.splitlines() if "*/" in ln and ";" in ln]
     return collections.Counter(o for o in ops if not o.startswith("@"))
 

@@ -14,16 +14,17 @@ import ncu_stalls  # noqa: E402
 STALLS = ["stall_wait", "stall_barrier", "stall_long_sb"]
 
 
-def _write(path, body):
-    """body: (address, sass, samples, {stall: samples}); columns as `ncu --page source --csv` writes them."""
-    header = (["Address", "Source", "Warp Stall Sampling (All Samples)", "x", "# Samples", "Instructions Executed"]
+def _write(path, body, executed=7):
+    """body: (address, sass, samples, {stall: samples}); the header names of `ncu --page source --csv`,
+    in another column order than ncu's, since the parser must find them by name."""
+    header = (["Instructions Executed", "Address", "x", "Source", "Warp Stall Sampling (All Samples)"]
               + STALLS + [s + " (Not Issued)" for s in STALLS])
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["Kernel Name", "k"])
         w.writerow(header)
         for addr, sass, samples, stalls in body:
-            w.writerow([hex(addr), sass, samples, 0, samples, 7] + [stalls.get(s, 0) for s in STALLS]
+            w.writerow([executed, hex(addr), 0, sass, samples] + [stalls.get(s, 0) for s in STALLS]
                        + [0] * len(STALLS))
 
 
@@ -50,9 +51,20 @@ def test_innermost_loop_and_its_shares(tmp_path):
     assert inner_loop["stall_share"]["wait"] == pytest.approx(round(119 / total, 4))
     assert inner_loop["stall_share"]["long_sb"] == pytest.approx(round(4 / total, 4))
     assert inner_loop["opcode_share"]["MUFU"] == pytest.approx(round(59 * 2 / total, 4))
+    assert inner_loop["opcode_stall_share"]["MUFU"]["barrier"] == pytest.approx(round(59 / total, 4))
 
 
-def test_main_keeps_only_loops_without_an_inner_loop(tmp_path, capsys):
+def test_loops_never_taken_are_left_out(tmp_path):
+    body = [(0x10 * i, "FFMA R1, R1, R1, R1", 1, {"stall_wait": 1}) for i in range(130)]
+    body.append((0x10 * 130, "@P0 BRA 0x0", 1, {}))
+    path = tmp_path / "src.csv"
+    _write(path, body, executed=0)
+    assert ncu_stalls.loops(str(path)) == []
+    _write(path, body, executed=3)
+    assert len(ncu_stalls.loops(str(path))) == 1
+
+
+def test_main_keeps_only_loops_without_an_inner_loop(tmp_path, capsys, monkeypatch):
     base = 0x0
     body = [(base + 0x10 * i, "FFMA R1, R1, R1, R1", 1, {"stall_wait": 1}) for i in range(130)]
     body.append((base + 0x10 * 130, f"@P0 BRA {hex(base + 0x10 * 5)}", 1, {}))
@@ -60,7 +72,7 @@ def test_main_keeps_only_loops_without_an_inner_loop(tmp_path, capsys):
     body.append((base + 0x10 * 133, f"BRA {hex(base)}", 1, {}))
     path = tmp_path / "src.csv"
     _write(path, body)
-    sys.argv = ["ncu_stalls.py", str(path)]
+    monkeypatch.setattr(sys, "argv", ["ncu_stalls.py", str(path)])
     ncu_stalls.main()
     printed = capsys.readouterr().out
     assert "loop 0x50..0x820" in printed and "loop 0x0.." not in printed

@@ -12,7 +12,7 @@ def _opcodes(*ops):
     script = os.path.join(ROOT, "benchmarks", "pipe_probe.py")
     out = subprocess.run([sys.executable, script, "--sass", *ops], capture_output=True, text=True, check=True,
                          cwd=ROOT).stdout
-    return {row["op"]: row["opcodes"] for row in map(json.loads, out.splitlines()) if row}
+    return {row["op"]: row["opcodes"] for row in map(json.loads, filter(None, out.splitlines()))}
 
 
 def test_each_probe_times_its_own_instruction():
