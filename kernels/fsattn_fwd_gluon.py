@@ -65,6 +65,50 @@ def _softmax_tile(s_bits, ks, qs, m):
 
 
 @gluon.jit
+def _program_rows(q_pad, n_q_heads, group, s_pad, w_rows_per_batch, BLOCK_M: gl.constexpr, D_PAD: gl.constexpr):
+    """This program's (batch, head) and the first rows of its Q, K/V, V^T and row-sum weights in
+    the quantised buffers; both Gluon kernels' grids are (query blocks, heads, batch)."""
+    pid_m = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    bh_q = b * n_q_heads + h
+    bh_kv = b * (n_q_heads // group) + h // group
+    q_row = bh_q * q_pad + pid_m * BLOCK_M
+    return pid_m, h, b, bh_q, bh_kv, q_row, bh_kv * s_pad, bh_kv * D_PAD, b * w_rows_per_batch
+
+
+@gluon.jit
+def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, q_row, first_row, bh_q, bh_kv,
+              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh):
+    """Normalise, undo V's scale and mean, write O and the natural-log LSE of the rows from
+    `first_row` (of the sequence; `q_row` in the quantised Q buffers) on."""
+    ROWS: gl.constexpr = acc.shape[0]
+    D_PAD: gl.constexpr = acc.shape[1]
+    o_layout: gl.constexpr = acc.type.layout
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_layout: gl.constexpr = l_acc.type.layout
+    o_cols_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
+    l_o = gl.convert_layout(l_acc, o_row_layout)
+    attended = l_o > 0.0
+    inv_l = gl.where(attended, 1.0 / gl.where(attended, l_o, 1.0), 0.0)
+    rd = gl.arange(0, D_PAD, layout=o_cols_layout)
+    v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
+    v_mean = gl.load(v_mean_ptr + bh_kv * D_PAD + rd)
+    o = (acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(v_scale, 0)
+         + gl.expand_dims(gl.where(attended, 1.0, 0.0), 1) * gl.expand_dims(v_mean, 0))
+    rows = first_row + gl.arange(0, ROWS, layout=o_row_layout)
+    io_mask = gl.expand_dims(rows < seq_q, 1) & gl.expand_dims(rd < head_dim, 0)
+    offs = (b.to(gl.int64) * stride_ob + gl.expand_dims(rows.to(gl.int64), 1) * stride_os
+            + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
+    gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    att_r = l_acc > 0.0
+    lse = gl.where(att_r, (m - 8.0 + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2
+                   + gl.load(qkm_ptr + q_row + gl.arange(0, ROWS, layout=row_layout)), float("-inf"))
+    lse_rows = first_row + gl.arange(0, ROWS, layout=row_layout)
+    gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
+
+
+@gluon.jit
 def _fsattn_fwd_gluon_kernel(
     q_desc, k_desc, vt_desc, w_desc,
     qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
@@ -73,15 +117,8 @@ def _fsattn_fwd_gluon_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    pid_m = gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    bh_q = b * n_q_heads + h
-    bh_kv = b * (n_q_heads // group) + h // group
-    q_row = bh_q * q_pad + pid_m * BLOCK_M
-    kv_row = bh_kv * s_pad
-    vt_row = bh_kv * D_PAD
-    w_row = b * w_rows_per_batch
+    pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
+        q_pad, n_q_heads, group, s_pad, w_rows_per_batch, BLOCK_M, D_PAD)
 
     # Register layouts of the three GEMMs' accumulators (one warpgroup: 64 rows, [4, 1] warps).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -161,31 +198,8 @@ def _fsattn_fwd_gluon_kernel(
         mbarrier.invalidate(bars.index(i))
     mbarrier.invalidate(q_bar)
 
-    # Epilogue: normalise, undo V's scale and mean, write O and the natural-log LSE.
-    o_rows_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o_cols_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-    l_o = gl.convert_layout(l_acc, o_rows_layout)
-    attended = l_o > 0.0
-    inv_l = gl.where(attended, 1.0 / gl.where(attended, l_o, 1.0), 0.0)
-    rd = gl.arange(0, D_PAD, layout=o_cols_layout)
-    v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
-    v_mean = gl.load(v_mean_ptr + bh_kv * D_PAD + rd)
-    o = (acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(v_scale, 0)
-         + gl.expand_dims(gl.where(attended, 1.0, 0.0), 1) * gl.expand_dims(v_mean, 0))
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows_layout)
-    io_mask = gl.expand_dims(rows < seq_q, 1) & gl.expand_dims(rd < head_dim, 0)
-    offs = (b.to(gl.int64) * stride_ob + gl.expand_dims(rows.to(gl.int64), 1) * stride_os
-            + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
-    gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-
-    shift = m - 8.0
-    l_r = l_acc
-    att_r = l_r > 0.0
-    q_rows = q_row + gl.arange(0, BLOCK_M, layout=row_layout)
-    lse = gl.where(att_r, (shift + gl.log2(gl.where(att_r, l_r, 1.0))) * LN2 + gl.load(qkm_ptr + q_rows),
-                   float("-inf"))
-    lse_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-    gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
+    _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, q_row, pid_m * BLOCK_M, bh_q, bh_kv,
+              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh)
 
 
 def supports(layout, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:

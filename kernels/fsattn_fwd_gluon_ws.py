@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .configs import GLUON_WS_STAGES
-from .fsattn_fwd_gluon import LN2, ROWSUM_N, _softmax_tile, launch_operands
+from .fsattn_fwd_gluon import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
@@ -90,36 +90,6 @@ def _in_wgmma_order(p, layout: gl.constexpr):
                        WGMMA_KEY_SPLIT[3]])
     x = gl.permute(x, [WGMMA_AXES[0], WGMMA_AXES[1], WGMMA_AXES[2], WGMMA_AXES[3], WGMMA_AXES[4], WGMMA_AXES[5]])
     return gl.convert_layout(gl.reshape(x, [ROWS, N]), layout)
-
-
-@gluon.jit
-def _epilogue(c: gl.constexpr, acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, bh_q, bh_kv,
-              row0, b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh):
-    """Normalise, undo V's scale and mean, write O and the natural-log LSE of this warpgroup's rows."""
-    ROWS: gl.constexpr = acc.shape[0]
-    D_PAD: gl.constexpr = acc.shape[1]
-    o_layout: gl.constexpr = acc.type.layout
-    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    row_layout: gl.constexpr = l_acc.type.layout
-    o_cols_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
-    l_o = gl.convert_layout(l_acc, o_row_layout)
-    attended = l_o > 0.0
-    inv_l = gl.where(attended, 1.0 / gl.where(attended, l_o, 1.0), 0.0)
-    rd = gl.arange(0, D_PAD, layout=o_cols_layout)
-    v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
-    v_mean = gl.load(v_mean_ptr + bh_kv * D_PAD + rd)
-    o = (acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(v_scale, 0)
-         + gl.expand_dims(gl.where(attended, 1.0, 0.0), 1) * gl.expand_dims(v_mean, 0))
-    rows = row0 + c * ROWS + gl.arange(0, ROWS, layout=o_row_layout)
-    io_mask = gl.expand_dims(rows < seq_q, 1) & gl.expand_dims(rd < head_dim, 0)
-    offs = (b.to(gl.int64) * stride_ob + gl.expand_dims(rows.to(gl.int64), 1) * stride_os
-            + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
-    gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-    att_r = l_acc > 0.0
-    lse = gl.where(att_r, (m - 8.0 + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2
-                   + gl.load(qkm_ptr + my_row + gl.arange(0, ROWS, layout=row_layout)), float("-inf"))
-    lse_rows = row0 + c * ROWS + gl.arange(0, ROWS, layout=row_layout)
-    gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
 
 
 @gluon.jit
@@ -203,8 +173,8 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
     l_acc = l_acc * alpha + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
-    _epilogue(c, acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, bh_q, bh_kv, row0, b, h,
-              seq_q, head_dim, stride_ob, stride_os, stride_oh)
+    _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
+              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh)
 
 
 @gluon.jit
@@ -216,16 +186,10 @@ def _fsattn_fwd_gluon_ws_kernel(
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
-    pid_m = gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    bh_q = b * n_q_heads + h
-    bh_kv = b * (n_q_heads // group) + h // group
-    row0 = pid_m * 128
-    q_row = bh_q * q_pad + row0
-    kv_row = bh_kv * s_pad
-    vt_row = bh_kv * D_PAD
-    w_row = b * w_rows_per_batch
+    BLOCK_M: gl.constexpr = 128  # CONSUMERS x CONSUMER_ROWS
+    pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
+        q_pad, n_q_heads, group, s_pad, w_rows_per_batch, BLOCK_M, D_PAD)
+    row0 = pid_m * BLOCK_M
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
