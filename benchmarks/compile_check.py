@@ -100,13 +100,17 @@ def _operand_descriptors(rows, block_n, d_pad):
     }
 
 
-def compile_gluon_ws(stages, d_pad=128):
-    """The warp-specialised Gluon kernel (kernels/fsattn_fwd_gluon_ws.py)."""
+def compile_gluon_ws(stages, d_pad=128, block_n=None, speculative=None):
+    """The warp-specialised Gluon kernel (kernels/fsattn_fwd_gluon_ws.py); defaults as the op runs it."""
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
+    from fsattn_diffusers.kernels.configs import GLUON_WS_BLOCK_N
 
-    constexprs = {"BLOCK_N": 128, "D_PAD": d_pad, "STAGES": stages, "CONSUMER_REGS": wk.CONSUMER_REGS,
-                  "PRODUCER_REGS": wk.PRODUCER_REGS}
-    src = _gluon_source(wk._fsattn_fwd_gluon_ws_kernel, _operand_descriptors(wk.CONSUMER_ROWS, 128, d_pad),
+    block_n = block_n or GLUON_WS_BLOCK_N
+    consumers = wk.CONSUMERS[block_n]
+    constexprs = {"BLOCK_N": block_n, "D_PAD": d_pad, "STAGES": stages, "N_CONSUMERS": consumers,
+                  "CONSUMER_REGS": wk.CONSUMER_REGS[consumers], "PRODUCER_REGS": wk.PRODUCER_REGS,
+                  "SPECULATIVE": wk.SPECULATIVE_MAX if speculative is None else bool(speculative)}
+    src = _gluon_source(wk._fsattn_fwd_gluon_ws_kernel, _operand_descriptors(wk.CONSUMER_ROWS, block_n, d_pad),
                         constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
 
@@ -141,16 +145,16 @@ def main():
     parser.add_argument("--tiles", nargs="+", default=["128,128,8,2"])
     parser.add_argument("--gluon", action="store_true", help="compile the Gluon kernel instead")
     parser.add_argument("--gluon-ws", action="store_true",
-                        help="compile the warp-specialised Gluon kernel instead (--tiles: its stages and D_PAD as "
-                             "'stages,d_pad')")
+                        help="compile the warp-specialised Gluon kernel instead (--tiles: its stages, D_PAD and "
+                             "optionally BLOCK_N as 'stages,d_pad[,block_n]')")
     parser.add_argument("--dump", default=None, help="folder to write each variant's PTX and SASS into")
     args = parser.parse_args()
     if args.gluon_ws:
         for spec in args.tiles if args.tiles != parser.get_default("tiles") else ["4,128"]:
-            stages, d_pad = (int(x) for x in spec.split(",")[:2])
-            k = compile_gluon_ws(stages, d_pad)
+            stages, d_pad, *block_n = (int(x) for x in spec.split(","))
+            k = compile_gluon_ws(stages, d_pad, block_n[0] if block_n else None)
             ptx = k.asm["ptx"]
-            print(f"stages {stages} d_pad {d_pad:3d} gluon_ws {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
+            print(f"stages {stages} d_pad {d_pad:3d} block_n {block_n[0] if block_n else 'default'} gluon_ws {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
                   f"wgmma {ptx.count('wgmma.mma_async'):3d} setmaxnreg {ptx.count('setmaxnreg'):2d} "
                   f"bar.sync {ptx.count('bar.sync'):3d}")
         return

@@ -79,7 +79,8 @@ class FSAttnConfig:
         slightly less precise).
     block_m, block_n : int or None
         Tile sizes (query rows per program, keys per tile). ``None`` picks the tuned default for
-        the GPU and head dim. ``block_n`` is also the K-scale granularity.
+        the GPU and head dim. ``block_n`` is also the K-scale granularity. The warp-specialised
+        Gluon kernel takes ``block_n`` 64 (its default: three consumer warpgroups) or 128 (two).
     num_warps, num_stages : int or None
         Launch overrides for the Triton kernel (``None``: tuned default).
     sdpa_below_flops : float
@@ -92,15 +93,18 @@ class FSAttnConfig:
         0.59x of SDPA at 8192 tokens (4.1e11) and 1.13x at 16384 (1.6e12)); it sends
         cross-attention to a few hundred text tokens to SDPA. ``0`` runs every call on fsattn.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
-        Which forward kernel runs; all compute the same numbers. ``"auto"`` (default): the
-        fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims 65-128 where it covers the
-        call, else the Triton kernel. ``"triton"``: the Triton kernel, every configuration and
-        GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon kernel, a TMA producer warp
-        and two consumer warpgroups that take turns at the tensor cores; 15-21 % faster than the
-        Triton kernel at head dim 128 on the H200, 3 % slower at 64 (benchmarks/NOTES.md v8).
+        Which forward kernel runs; all compute the same attention to within FP8 rounding.
+        ``"auto"`` (default): the fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims
+        65-128 where it covers the call, else the Triton kernel. ``"triton"``: the Triton kernel,
+        every configuration and GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon
+        kernel, a TMA producer warp and three consumer warpgroups on 64-key tiles that take turns
+        at the tensor cores, with a speculative running max (a tile is redone from its true max
+        only when some P saturated FP8); 17-21 % faster than the Triton kernel at head dim 128 on
+        the H200, slower at 64 (benchmarks/NOTES.md v8, v10). Its distance to float64 matches the
+        Triton kernel's, but its P is rounded from another max, so its output is not bit-equal.
         ``"gluon"`` (experimental, Hopper only): the Gluon kernel that overlaps the next tile's
         score GEMM with the current softmax inside one warpgroup; 8-25 % slower than the Triton
-        kernel (NOTES v4). Both Gluon kernels cover the default numerics only (online max,
+        kernel (NOTES v4). Both Gluon kernels cover the default numerics only (online max policy,
         per-key K scales, FP8 PV with the hardware accumulator, tensor-core row sum, no float
         mask, default tiles); other calls and other GPUs run the Triton kernel.
     check_finite : bool

@@ -73,11 +73,11 @@ def pv_dtype(config: FSAttnConfig, input_dtype: torch.dtype) -> torch.dtype:
 
 def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
     from .kernels import fsattn_fwd as fwd
-    from .kernels.configs import GLUON_WS_STAGES
+    from .kernels.configs import GLUON_WS_BLOCK_N, GLUON_WS_STAGES
     from .kernels.quantize import KVLayout, quantize_kv
 
-    def quantized(pv_key_order):
-        return quantize_kv(k, v, key_weight, block_n=launch.block_n, d_pad=_padded_dim(q.shape[-1]),
+    def quantized(pv_key_order, block_n=launch.block_n):
+        return quantize_kv(k, v, key_weight, block_n=block_n, d_pad=_padded_dim(q.shape[-1]),
                            k_per_token=cfg.k_granularity == "token", smooth_k=cfg.smooth_k,
                            smooth_v=cfg.smooths_v, v_dtype=pv_dtype(cfg, q.dtype), pv_key_order=pv_key_order)
 
@@ -93,9 +93,11 @@ def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
     # The warp-specialised kernel reads V in its own key order: decide before quantising.
     layout = KVLayout(cfg.k_granularity == "token", pv_dtype(cfg, q.dtype), launch.block_n)
     ws_stages = cfg.num_stages or GLUON_WS_STAGES
-    if kernel == "gluon_ws" and _gluon_covers("fsattn_fwd_gluon_ws", q, out, replace(layout, pv_key_order="wgmma"),
+    ws_block_n = cfg.block_n or GLUON_WS_BLOCK_N  # its own default tile: see kernels/configs.py
+    ws_layout = replace(layout, pv_key_order="wgmma", block_n=ws_block_n)
+    if kernel == "gluon_ws" and _gluon_covers("fsattn_fwd_gluon_ws", q, out, ws_layout,
                                               dict(gluon_args, num_stages=ws_stages)):
-        if _launch_gluon("fsattn_fwd_gluon_ws", q, quantized("wgmma"), out, lse, sm_scale=scale,
+        if _launch_gluon("fsattn_fwd_gluon_ws", q, quantized("wgmma", ws_block_n), out, lse, sm_scale=scale,
                          num_stages=ws_stages):
             return
     kv = quantized("natural")

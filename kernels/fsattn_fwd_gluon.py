@@ -79,9 +79,9 @@ def _program_rows(q_pad, n_q_heads, group, s_pad, w_rows_per_batch, BLOCK_M: gl.
 
 @gluon.jit
 def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, q_row, first_row, bh_q, bh_kv,
-              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh):
+              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, P_OFFSET: gl.constexpr = 8.0):
     """Normalise, undo V's scale and mean, write O and the natural-log LSE of the rows from
-    `first_row` (of the sequence; `q_row` in the quantised Q buffers) on."""
+    `first_row` (of the sequence; `q_row` in the quantised Q buffers) on; P was 2^(x - m + P_OFFSET)."""
     ROWS: gl.constexpr = acc.shape[0]
     D_PAD: gl.constexpr = acc.shape[1]
     o_layout: gl.constexpr = acc.type.layout
@@ -102,7 +102,7 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
             + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
     gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     att_r = l_acc > 0.0
-    lse = gl.where(att_r, (m - 8.0 + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2
+    lse = gl.where(att_r, (m - P_OFFSET + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2
                    + gl.load(qkm_ptr + q_row + gl.arange(0, ROWS, layout=row_layout)), float("-inf"))
     lse_rows = first_row + gl.arange(0, ROWS, layout=row_layout)
     gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
@@ -231,7 +231,9 @@ def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
     bsz, seq_q, n_q_heads, head_dim = q.shape
     _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
     block_n = kv.block_n
-    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m)
+    # Programs of 3 x 64 rows pad Q to 192 rows, quantised 64 at a time (a Triton block is a power of two).
+    pow2 = block_m & (block_m - 1) == 0
+    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m if pow2 else q_tile_rows, pad_multiple=block_m)
     descriptors = (
         _descriptor(qq.q_q.view(-1, d_pad), [q_tile_rows, d_pad], gl.int8),
         _descriptor(kv.k_q.view(-1, d_pad), [block_n, d_pad], gl.int8),

@@ -1,32 +1,39 @@
-"""The online fused-softmax forward in Gluon for Hopper, warp-specialised, with the two consumer
-warpgroups taking turns at the tensor cores (FlashAttention-3's ping-pong); the default on sm_90
-at head dims 65-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8).
+"""The fused-softmax forward in Gluon for Hopper, warp-specialised, with the consumer warpgroups
+taking turns at the tensor cores (FlashAttention-3's ping-pong); the default on sm_90 at head
+dims 65-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8, v10).
 
 Why: the Triton kernel runs one warpgroup per program, two programs per SM, each issuing its own
 loads (address arithmetic and ``cp.async`` in the softmax's instruction stream), meeting a
 program-wide ``bar.sync`` every tile, and waiting for each GEMM right after issuing it; NOTES v6
-found its loop bound by those waits, not by a unit. Here, per program of 2 x 64 query rows:
+found its loop bound by those waits, not by a unit. Here, per program of 3 x 64 query rows
+(64-key tiles; 2 x 64 rows with 128-key tiles):
 
-    producer (4 warps, 24 registers)   for each key tile: wait until both consumers released the
+    producer (4 warps, 24 registers)   for each key tile: wait until every consumer released the
                                        ring stage, then TMA K, V^T and the row-sum weights into it
-    consumer w (4 warps, w = 0, 1)     its 64 rows of Q (TMA), then per key tile j: wait for the
-                                       score GEMM, online softmax (the Triton kernel's numerics),
-                                       rescale; in its turn issue the row sum and PV of tile j and
-                                       the score GEMM of tile j + 1, hand the turn over; wait for
-                                       PV, release the stage
+    consumer w (4 warps, w = 0, 1, 2)  its 64 rows of Q (TMA), then per key tile j: wait for the
+                                       score GEMM, softmax; in its turn issue the row sum and PV
+                                       of tile j and the score GEMM of tile j + 1, hand the turn
+                                       to the next warpgroup; wait for PV, release the stage
 
 Only mbarriers synchronise (no program-wide barrier). P goes from the score accumulator to the PV
 GEMM's register operand without moving between threads: V and the row-sum weights come in the
 "wgmma" key order (``quantize_kv(..., pv_key_order="wgmma")``), which matches the keys each
-thread already holds (:func:`_in_wgmma_order`). Measured on the H200 (NOTES v8): 776 and 811
-TFLOP/s at the Wan-1.3B and 14B shapes against the Triton kernel's 672 and 668 (v7, with a
-shuffle of P between the GEMMs: 733 and 759); without the ping-pong the same structure only
-tied the Triton kernel; at head dim 64 it is slower (465 vs 482), so head dims up to 64 stay on
-the Triton kernel. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, default
-tiles; other configurations run the Triton kernel. Gluon does not run in Triton's interpreter:
-the GPU tests exercise this kernel.
-"""
+thread already holds (:func:`_in_wgmma_order`).
 
+The softmax is speculative by default (:func:`_speculative_softmax`): a tile's exponentials start
+from the running max of the tiles before it, and only a tile in which some P saturated FP8 takes
+its max, rescales the accumulators and is redone. That halves the common path's per-key work
+that does not depend on the tile size (max, rescale), which is what made 64-key tiles, and so a
+third warpgroup per scheduler to hide the softmax's latency, pay (NOTES v9 f, v10).
+
+Measured on the H200 (NOTES v10, one process): 784-790 and 814-820 TFLOP/s at the Wan-1.3B and
+14B shapes against 762-774 and 795-806 for two consumers with the online max (v8) and 651-673
+and 666-684 for the Triton kernel; distance to float64 on DESIGN section 4's families equal to the
+Triton kernel's (LSE within 6.1e-3 of it where the Triton kernel's is 5.5e-3). At head dim 64 this
+kernel was slower than the Triton kernel (v8), so head dims up to 64 stay there. Coverage:
+per-key K scales, FP8 V, tensor-core row sum, no float bias, default tiles; other configurations
+run the Triton kernel. Gluon does not run in Triton's interpreter: the GPU tests exercise it.
+"""
 from __future__ import annotations
 
 import torch
@@ -41,10 +48,14 @@ if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (one m64 wgmma)
-CONSUMERS = 2
-# Registers per thread after setmaxnreg: 2 x 128 x 240 + 128 x 24 fills the 64 K register file.
-# 232 for the consumers ran 11 % slower (NOTES v7); the producer needs few.
-CONSUMER_REGS = 240
+# Consumer warpgroups per program, by key tile. Three warpgroups have 160 registers per thread,
+# too few for 128-key tiles (ptxas spills 892 bytes; NOTES v9 f, v10).
+CONSUMERS = {64: 3, 128: 2}
+# Ring stages that fit in shared memory: ~17 KB per stage at 64 keys, ~34 KB at 128.
+MAX_STAGES = {64: 8, 128: 4}
+# Registers per thread after setmaxnreg: 2 x 128 x 240 + 128 x 24 fills the 64 K register file
+# (232 for two consumers ran 11 % slower, NOTES v7); 3 x 128 x 160 + 128 x 24 = 64,512 of 65,536.
+CONSUMER_REGS = {2: 240, 3: 160}
 PRODUCER_REGS = 24
 
 
@@ -54,7 +65,8 @@ def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, 
     # Sizes from the shared-memory shapes (constexpr; warp_specialize passes arguments as values).
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    for c in gl.static_range(2):
+    N_CONSUMERS: gl.constexpr = q_smem.shape[0]
+    for c in gl.static_range(N_CONSUMERS):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bars.index(c), q_smem.index(c))
     for tile in range(n_tiles):
@@ -92,17 +104,109 @@ def _in_wgmma_order(p, layout: gl.constexpr):
     return gl.convert_layout(gl.reshape(x, [ROWS, N]), layout)
 
 
+# The speculative running max (NOTES v9): a tile's exponentials start from the max of the tiles
+# before it, P = 2^(x - m + SPEC_OFFSET), with no max taken. P stays below 448 (FP8 e4m3's
+# largest) while no score rose more than log2(448) - SPEC_OFFSET = 2.8 above m; the conversion
+# saturates anything larger to 448 (byte 0x7E), so a tile is redone with its true max (and the
+# accumulators rescaled) exactly when one of its P bytes is 0x7E or 0x7F (NaN). Adding 2 to each
+# byte of a 4-byte word sets the byte's top bit exactly for those two (P >= 0: no byte reaches
+# 0x80, so no carry crosses bytes).
+SPEC_OFFSET = gl.constexpr(6.0)
+SPECULATIVE_MAX = True
+
+
+@gluon.jit
+def _or(a, b):
+    return a | b
+
+
+@gluon.jit
+def _to_fp8_words(p):
+    """P (FP32, PV operand layout) to FP8 as the plain conversion does (round to nearest,
+    saturate), four values to a 32-bit word: the word (as element 0 of each 4; elements 1-3 are
+    zeros) and the word with 2 added to each byte, whose byte top bits flag 448s and NaNs."""
+    # Each 4 values of an instance are the four keys of one row that make one 32-bit register of
+    # the GEMM operand. The words travel as INT32 because Triton carries an FP8 tensor across a
+    # branch byte by byte (~180 PRMT/LOP3 per tile); ptxas folds the zeros.
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        cvt.rn.satfinite.e4m3x2.f32 lo, $9, $8;
+        cvt.rn.satfinite.e4m3x2.f32 hi, $11, $10;
+        mov.b32 $0, {lo, hi};
+        add.u32 $4, $0, 0x02020202;
+        mov.u32 $1, 0;
+        mov.u32 $2, 0;
+        mov.u32 $3, 0;
+        mov.u32 $5, 0;
+        mov.u32 $6, 0;
+        mov.u32 $7, 0;
+        }""",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [p], dtype=(gl.int32, gl.int32), is_pure=True, pack=4)
+
+
+@gluon.jit
+def _any_flag(flags):
+    """Whether a byte top bit is set in any of the warpgroup's flag words (0x80808080 below)."""
+    # Per row inside each warp, then per warp, then one exchange of the four warps' words through
+    # shared memory: Triton's reduction of the whole tensor took three barriers (NOTES v9).
+    per_warp = gl.reduce(gl.reshape(flags, [4, flags.numel // 4]), 1, _or)
+    every_thread: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    word = gl.reduce(gl.convert_layout(per_warp, every_thread), 0, _or)
+    return (word & -0x7F7F7F80) != 0
+
+
+@gluon.jit
+def _words_to_fp8(words):
+    """The FP8 tensor whose every 4 values are the bytes of element 0 of each 4 of `words`."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [words], dtype=gl.float8e4nv,
+                                     is_pure=True, pack=4)
+
+
+@gluon.jit
+def _speculative_softmax(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
+    """P (FP8, in the PV operand's layout) of one tile from the running max m; only when some P
+    saturated: the tile's max, the rescale of the accumulators, and P again."""
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
+    p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m, 1)))
+    words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
+    if _any_flag(flags):
+        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m_new, 1)))
+        words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+        l_acc = l_acc * alpha
+        m = m_new
+    return _words_to_fp8(words), m, acc, l_acc
+
+
+@gluon.jit
+def _tile_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr, SPECULATIVE: gl.constexpr):
+    """One tile's P (FP8, PV operand layout), the new running max, and the rescaled accumulators."""
+    if SPECULATIVE:
+        p8, m, acc, l_acc = _speculative_softmax(s, ks, qs, m, acc, l_acc, p_layout)
+    else:
+        p, m, alpha = _softmax_tile(s, ks, qs, m)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+        l_acc = l_acc * alpha
+        p8 = _in_wgmma_order(p.to(gl.float8e4nv), p_layout)
+    return p8, m, acc, l_acc
+
+
 @gluon.jit
 def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
                        qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                        q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                       stride_oh):
-    """One consumer warpgroup: 64 query rows against every key tile.
+                       stride_oh, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr):
+    """Consumer warpgroup `c`: 64 query rows against every key tile.
 
-    The two warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong): in its turn a
-    warpgroup issues the row sum and PV of tile j and the score GEMM of tile j + 1, hands the turn
-    over, and waits for PV (the score GEMM stays in flight); its softmax of tile j + 1 then runs
-    while the other warpgroup's GEMMs do. Same numerics as the Triton kernel's online pass.
+    The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
+    its turn a warpgroup issues the row sum and PV of tile j and the score GEMM of tile j + 1,
+    hands the turn to warpgroup c + 1, and waits for PV (the score GEMM stays in flight); its
+    softmax of tile j + 1 then runs while the others' GEMMs do. With SPECULATIVE off, the Triton
+    kernel's online numerics (bit for bit at its 128-key tiles).
     """
     ROWS: gl.constexpr = 64
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -137,14 +241,12 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
     mbarrier.wait(ready.index(0), 0)
     mbarrier.wait(turn.index(c), FIRST)
     s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - c), count=1)
+    mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     for tile in range(n_tiles - 1):
         stage = tile % STAGES
         nxt = tile + 1
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        p, m, alpha = _softmax_tile(s, ks, qs, m)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
-        p8 = _in_wgmma_order(p.to(gl.float8e4nv), p_o_layout)
+        p8, m, acc, l_acc = _tile_p8(s, ks, qs, m, acc, l_acc, p_o_layout, SPECULATIVE)
         ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
         mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
@@ -153,28 +255,26 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-        mbarrier.arrive(turn.index(1 - c), count=1)
+        mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
         # Groups retire in order: with one left in flight, the row sum and PV are done.
         acc, l_tile = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok, l_tok))
         mbarrier.arrive(empty.index(stage), count=1)
-        l_acc = l_acc * alpha + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+        l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
 
     last = n_tiles - 1
     stage = last % STAGES
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    p, m, alpha = _softmax_tile(s, ks, qs, m)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
-    p8 = _in_wgmma_order(p.to(gl.float8e4nv), p_o_layout)
+    p8, m, acc, l_acc = _tile_p8(s, ks, qs, m, acc, l_acc, p_o_layout, SPECULATIVE)
     mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
-    mbarrier.arrive(turn.index(1 - c), count=1)
+    mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
-    l_acc = l_acc * alpha + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+    l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
     _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
-              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh)
+              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, SPEC_OFFSET if SPECULATIVE else 8.0)
 
 
 @gluon.jit
@@ -184,65 +284,73 @@ def _fsattn_fwd_gluon_ws_kernel(
     seq_q, q_pad, head_dim, n_q_heads, group, n_tiles, s_pad, w_rows_per_batch,
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = 128  # CONSUMERS x CONSUMER_ROWS
+    BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
         q_pad, n_q_heads, group, s_pad, w_rows_per_batch, BLOCK_M, D_PAD)
     row0 = pid_m * BLOCK_M
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [N_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
     vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, ROWSUM_N, BLOCK_N], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [N_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+        mbarrier.init(empty.index(i), count=N_CONSUMERS)  # one arrive per consumer warpgroup
+    turn = gl.allocate_shared_memory(gl.int64, [N_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N_CONSUMERS):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
 
     consumer_args = (q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
                      qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                      q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                     stride_oh)
-    gl.warp_specialize([
-        (_consumer, (0,) + consumer_args),
-        (_consumer, (1,) + consumer_args),
-        (_producer, (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
-                     q_row, kv_row, vt_row, w_row, n_tiles)),
-    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+                     stride_oh, SPECULATIVE, N_CONSUMERS)
+    producer_args = (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
+                     q_row, kv_row, vt_row, w_row, n_tiles)
+    if N_CONSUMERS == 3:
+        gl.warp_specialize([(_consumer, (0,) + consumer_args), (_consumer, (1,) + consumer_args),
+                            (_consumer, (2,) + consumer_args), (_producer, producer_args)],
+                           [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consumer, (0,) + consumer_args), (_consumer, (1,) + consumer_args),
+                            (_producer, producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supports(layout, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
     """Whether this kernel covers the call (else the Triton kernel runs it): the default numerics
-    (online softmax, per-key K scales, FP8 V, tensor-core row sum, no float bias), the default
-    tiles (64-row warpgroups, 128 keys, 4 warps each), 2-4 pipeline stages, and V and the row-sum
-    weights in the "wgmma" key order (`layout`: the :class:`~.quantize.KVLayout` to quantise to)."""
+    (per-key K scales, FP8 V, tensor-core row sum, no float bias, no frozen max), 64-row
+    warpgroups of 4 warps, key tiles of 64 (three consumers, 2-8 stages) or 128 (two consumers,
+    2-4 stages), and V and the row-sum weights in the "wgmma" key order (`layout`: the
+    :class:`~.quantize.KVLayout` to quantise to)."""
     return (bias is None and frozen == 0 and exp_mode == 0 and not pv_fp32 and rowsum_mma
             and layout.k_per_token and layout.v_dtype == torch.float8_e4m3fn and block_m == CONSUMER_ROWS
-            and layout.block_n == 128 and layout.pv_key_order == "wgmma" and num_warps == 4
-            and 2 <= num_stages <= 4)
+            and layout.block_n in CONSUMERS and layout.pv_key_order == "wgmma" and num_warps == 4
+            and 2 <= num_stages <= MAX_STAGES[layout.block_n])
 
 
-def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES):
+def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
     """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`,
-    except that `kv` must be quantised with ``pv_key_order="wgmma"``.
+    except that `kv` must be quantised with ``pv_key_order="wgmma"`` and ``block_n`` 64 (three
+    consumer warpgroups) or 128 (two). `speculative`: the speculative running max (the default)
+    or the online one.
 
     Callers check :func:`supports` first; a call outside it raises here rather than hang the GPU.
     """
-    if not 2 <= num_stages <= 4 or kv.block_n != 128:
-        raise ValueError(f"the warp-specialised Gluon kernel takes 128-key tiles and 2-4 stages; got "
-                         f"block_n={kv.block_n}, num_stages={num_stages}")
+    if kv.block_n not in CONSUMERS or not 2 <= num_stages <= MAX_STAGES[kv.block_n]:
+        raise ValueError("the warp-specialised Gluon kernel takes 64-key tiles with 2-8 stages or 128-key tiles "
+                         f"with 2-4; got block_n={kv.block_n}, num_stages={num_stages}")
     if kv.pv_key_order != "wgmma":
         raise ValueError("the warp-specialised Gluon kernel reads V in the wgmma key order "
                          f"(quantize_kv(..., pv_key_order='wgmma')), got {kv.pv_key_order!r}")
-    grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=CONSUMERS * CONSUMER_ROWS,
+    consumers = CONSUMERS[kv.block_n]
+    grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=consumers * CONSUMER_ROWS,
                                  q_tile_rows=CONSUMER_ROWS)
     _fsattn_fwd_gluon_ws_kernel[grid](*args, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3], STAGES=num_stages,
-                                      CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                                      CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
+                                      SPECULATIVE=bool(speculative), N_CONSUMERS=consumers, num_warps=4)
     return out, lse

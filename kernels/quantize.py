@@ -117,11 +117,15 @@ def _quantize_q_kernel(
     tl.store(qkm_ptr + out_rows, tl.sum(q * k_mean[None, :], 1) * sm_scale)
 
 
-def quantize_q(q, k_mean, *, sm_scale, block_m) -> QuantizedQ:
-    """INT8 Q, one scale per token, padded to whole tiles of `block_m` rows; `q` (B, Sq, Hq, D) any strides."""
+def quantize_q(q, k_mean, *, sm_scale, block_m, pad_multiple=None) -> QuantizedQ:
+    """INT8 Q, one scale per token, padded to whole tiles of `block_m` rows (a power of two) or of
+    `pad_multiple` rows (a multiple of `block_m`); `q` (B, Sq, Hq, D) any strides."""
     bsz, seq_len, heads, dim = q.shape
     d_pad = k_mean.shape[-1]
-    q_pad = triton.cdiv(seq_len, block_m) * block_m
+    pad_multiple = pad_multiple or block_m
+    if pad_multiple % block_m:
+        raise ValueError(f"pad_multiple={pad_multiple} is not a multiple of block_m={block_m}")
+    q_pad = triton.cdiv(seq_len, pad_multiple) * pad_multiple
     q_q = torch.empty(bsz, heads, q_pad, d_pad, dtype=torch.int8, device=q.device)
     q_scale = torch.empty(bsz, heads, q_pad, dtype=torch.float32, device=q.device)
     q_dot_k_mean = torch.empty_like(q_scale)

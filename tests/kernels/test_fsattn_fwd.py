@@ -198,9 +198,15 @@ def test_gpu_families_against_float64_and_emulation(family, head_dim):
     min_cos, max_l1 = GPU_BOUNDS[family]
     assert torch.isfinite(out).all()
     assert cosine(out, ref) >= min_cos and rel_l1(out, ref) <= max_l1
+    # The emulation models the Triton kernel. The tensor core chains FP8 PV sums at ~14 bits
+    # (emulated exactly): 1e-2 of slack.
+    out_t = fsattn(q, k, v, attn_mask=mask, config=FSAttnConfig(kernel="triton"))
     emu, emu_lse, emu_fallbacks = _emulate(q, k, v, mask, FSAttnConfig())
-    # The tensor core chains FP8 PV sums at ~14 bits (emulated exactly): 1e-2 of slack.
-    assert rel_l1(out, emu) < 1e-2, "the GPU kernel and its emulation disagree"
+    assert rel_l1(out_t, emu) < 1e-2, "the GPU kernel and its emulation disagree"
+    if family != "huge_magnitude":
+        # At head dim 128 the default is the warp-specialised kernel, whose speculative max rounds P
+        # from another max: not bit-close to the Triton kernel, but as close to float64.
+        assert rel_l1(out, ref) <= 1.1 * rel_l1(out_t, ref) + 1e-3
     attended = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), attended)
     # The speculative (sampled) max, off by default, must catch every violation on the GPU too.

@@ -42,10 +42,21 @@ def test_calls_outside_it_go_to_the_triton_kernel(kernel, change):
     assert not KERNELS[kernel].supports(_kv(KEY_ORDER[kernel]), **dict(COVERED, **change))
 
 
-@pytest.mark.parametrize("kv_change", [dict(block_n=64), dict(k_per_token=False), dict(v_dtype=torch.bfloat16)])
+@pytest.mark.parametrize("kv_change", [dict(block_n=32), dict(k_per_token=False), dict(v_dtype=torch.bfloat16)])
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_operands_outside_it_go_to_the_triton_kernel(kernel, kv_change):
     assert not KERNELS[kernel].supports(_kv(KEY_ORDER[kernel], **kv_change), **COVERED)
+
+
+def test_the_single_warpgroup_kernel_takes_128_key_tiles_only():
+    assert not gluon.supports(_kv(block_n=64), **COVERED)
+
+
+@pytest.mark.parametrize("block_n,stages,covered", [(64, 8, True), (64, 9, False), (128, 4, True), (128, 5, False),
+                                                    (64, 1, False)])
+def test_the_warp_specialised_kernel_takes_64_or_128_key_tiles_and_the_stages_that_fit(block_n, stages, covered):
+    # 64-key tiles run three consumer warpgroups (~17 KB of ring per stage), 128-key tiles two (~34 KB).
+    assert gluon_ws.supports(_kv("wgmma", block_n=block_n), **dict(COVERED, num_stages=stages)) is covered
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -57,10 +68,10 @@ def test_a_kernel_does_not_take_v_in_the_other_kernels_key_order(kernel):
 def test_the_launchers_refuse_what_they_do_not_cover():
     with pytest.raises(ValueError, match="2-4 stages"):
         gluon.fsattn_fwd_gluon(None, _kv(), None, None, sm_scale=1.0, num_stages=1)
-    with pytest.raises(ValueError, match="2-4 stages"):
-        gluon_ws.fsattn_fwd_gluon_ws(None, _kv("wgmma"), None, None, sm_scale=1.0, num_stages=5)
-    with pytest.raises(ValueError, match="128-key tiles"):
-        gluon_ws.fsattn_fwd_gluon_ws(None, _kv("wgmma", block_n=64), None, None, sm_scale=1.0)
+    for block_n, stages in ((128, 5), (64, 9), (32, 4)):
+        with pytest.raises(ValueError, match=f"got block_n={block_n}, num_stages={stages}"):
+            gluon_ws.fsattn_fwd_gluon_ws(None, _kv("wgmma", block_n=block_n), None, None, sm_scale=1.0,
+                                         num_stages=stages)
     # V in the wrong key order would give a wrong result, not an error: the launchers refuse it.
     with pytest.raises(ValueError, match="wgmma key order"):
         gluon_ws.fsattn_fwd_gluon_ws(None, _kv("natural"), None, None, sm_scale=1.0)
@@ -139,7 +150,7 @@ def _run_on_a_fake_hopper(monkeypatch, config, gluon):
     monkeypatch.setattr(ops, "_DISABLED_GLUON", set())
     monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(quantize, "quantize_kv", lambda *a, pv_key_order, **kw: quantised.append(pv_key_order)
-                        or SimpleNamespace(n_tiles=8, pv_key_order=pv_key_order))
+                        or SimpleNamespace(n_tiles=8, pv_key_order=pv_key_order, block_n=kw["block_n"]))
     monkeypatch.setattr(ops.stats, "fallback_counter", lambda device: None)
     monkeypatch.setattr(fwd, "fsattn_fwd", lambda q, kv, *a, **kw: triton_calls.append(kv.pv_key_order))
     q = SimpleNamespace(shape=(1, 256, 2, 128), device=torch.device("cuda", 0), dtype=torch.bfloat16)
@@ -189,10 +200,21 @@ def test_the_warp_specialised_kernel_runs_four_stages_unless_the_config_says(mon
     assert launched == [stages]
 
 
+@pytest.mark.parametrize("config,block_n", [(FSAttnConfig(), 64), (FSAttnConfig(block_n=128), 128)])
+def test_the_warp_specialised_kernel_gets_its_own_key_tile_unless_the_config_sets_one(monkeypatch, config, block_n):
+    # NOTES v10: three consumer warpgroups on 64-key tiles beat two on 128 (the Triton kernel's tile).
+    tiles = []
+    gluon = SimpleNamespace(fsattn_fwd_gluon_ws=lambda q, kv, *a, **kw: tiles.append(kv.block_n),
+                            supports=lambda layout, **kw: layout.block_n in (64, 128))
+    _run_on_a_fake_hopper(monkeypatch, config, gluon)
+    assert tiles == [block_n]
+
+
 def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     # Through ops with the real pre-pass (Triton's interpreter on CPU): what reaches the Gluon
     # launcher is the natural quantisation with V and the row-sum weights permuted, nothing else.
     from fsattn_diffusers import ops
+    from fsattn_diffusers.kernels.configs import GLUON_WS_BLOCK_N
     from fsattn_diffusers.kernels.quantize import quantize_kv, wgmma_key_of_column
 
     received = []
@@ -206,7 +228,8 @@ def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     launch = ops.launch_config(config, torch.device("cpu"), 64)
     ops._run_kernels(q, k, v, weight, None, 0.125, config, launch, torch.empty_like(q), None)
     (kv,) = received
-    natural = quantize_kv(k, v, weight, block_n=launch.block_n, d_pad=64)
+    assert kv.block_n == GLUON_WS_BLOCK_N != launch.block_n  # its own tile, not the Triton kernel's
+    natural = quantize_kv(k, v, weight, block_n=kv.block_n, d_pad=64)
     keys = wgmma_key_of_column(torch.arange(natural.v_t.shape[-1]))
     assert kv.pv_key_order == "wgmma"
     assert torch.equal(kv.v_t.view(torch.uint8), natural.v_t.view(torch.uint8)[..., keys])

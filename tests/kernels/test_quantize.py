@@ -114,14 +114,15 @@ def test_the_wgmma_key_order_permutes_only_v_and_the_row_sum_weights(masked):
     torch.testing.assert_close(wgmma.v_mean, natural.v_mean, rtol=1e-6, atol=1e-7)
 
 
-def test_the_kernels_operand_order_is_the_quantisers_key_order():
+@pytest.mark.parametrize("n", [64, 128])
+def test_the_kernels_operand_order_is_the_quantisers_key_order(n):
     # The Gluon kernel reads P's registers as the PV operand through a reshape and permute; V is
     # stored by wgmma_key_of_column. Replayed in torch, operand column c must hold that key.
     ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws",
                              reason="this Triton has no Gluon warp specialisation")
     from fsattn_diffusers.kernels.quantize import wgmma_key_of_column
 
-    rows, n = 4, 128
+    rows = 4
     p = torch.arange(rows * n).reshape(rows, n)
     split, axes = ws.WGMMA_KEY_SPLIT.value, ws.WGMMA_AXES.value  # the constexprs the kernel uses
     operand = p.reshape(rows, n // 32, *split).permute(*axes).reshape(rows, n)
