@@ -88,9 +88,9 @@ class FSAttnConfig:
         ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
         fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
         (SDPA), which is exact and, at that size, faster: fsattn's pre-passes and launches cost a
-        fixed ~1 ms. The default, 1e12, lies between the two H200 points around the crossover
-        (``benchmarks/results/2026-11-30_h200_v8_seqlen_sweep.png``, 12 heads x 128: fsattn is
-        0.59x of SDPA at 8192 tokens (4.1e11) and 1.13x at 16384 (1.6e12)); it sends
+        fixed ~1.5 ms of host time. The default, 1e12, lies between the two H200 points around the
+        crossover (``benchmarks/results/2026-11-30_h200_v10_seqlen_sweep.png``, 12 heads x 128:
+        fsattn is 0.37x of SDPA at 8192 tokens (4.1e11) and 1.12x at 16384 (1.6e12)); it sends
         cross-attention to a few hundred text tokens to SDPA. ``0`` runs every call on fsattn.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same attention to within FP8 rounding.
@@ -99,7 +99,7 @@ class FSAttnConfig:
         every configuration and GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon
         kernel, a TMA producer warp and three consumer warpgroups on 64-key tiles that take turns
         at the tensor cores, with a speculative running max (a tile is redone from its true max
-        only when some P saturated FP8); 17-21 % faster than the Triton kernel at head dim 128 on
+        only when some P saturated FP8); 18-24 % faster than the Triton kernel at head dim 128 on
         the H200, slower at 64 (benchmarks/NOTES.md v8, v10). Its distance to float64 matches the
         Triton kernel's, but its P is rounded from another max, so its output is not bit-equal.
         ``"gluon"`` (experimental, Hopper only): the Gluon kernel that overlaps the next tile's

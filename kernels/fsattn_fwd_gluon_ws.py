@@ -22,18 +22,21 @@ thread already holds (:func:`_in_wgmma_order`).
 
 The softmax is speculative by default (:func:`_speculative_softmax`): a tile's exponentials start
 from the running max of the tiles before it, and only a tile in which some P saturated FP8 takes
-its max, rescales the accumulators and is redone. That halves the common path's per-key work
-that does not depend on the tile size (max, rescale), which is what made 64-key tiles, and so a
-third warpgroup per scheduler to hide the softmax's latency, pay (NOTES v9 f, v10).
+its max, rescales the accumulators and is redone. That takes the row max and the rescale of O,
+per-tile work that doubles when tiles halve, out of the common path, which is what made 64-key
+tiles, and so a third warpgroup per scheduler to hide the softmax's latency, pay (NOTES v9 (f),
+v10 (a)).
 
-Measured on the H200 (NOTES v10, one process): 784-790 and 814-820 TFLOP/s at the Wan-1.3B and
-14B shapes against 762-774 and 795-806 for two consumers with the online max (v8) and 651-673
-and 666-684 for the Triton kernel; distance to float64 on DESIGN section 4's families equal to the
-Triton kernel's (LSE within 6.1e-3 of it where the Triton kernel's is 5.5e-3). At head dim 64 this
-kernel was slower than the Triton kernel (v8), so head dims up to 64 stay there. Coverage:
-per-key K scales, FP8 V, tensor-core row sum, no float bias, default tiles; other configurations
-run the Triton kernel. Gluon does not run in Triton's interpreter: the GPU tests exercise it.
+Measured on the H200 (NOTES v10, four processes, SDPA beside): 784-790 and 814-824 TFLOP/s at
+the Wan-1.3B and 14B shapes against 763-774 and 790-806 for two consumers with the online max
+(v8) and 651-673 and 663-684 for the Triton kernel. Its distance to float64 on DESIGN section 4's
+families is the Triton kernel's within 0.12 percentage point of relative L1 and 1.4e-3 of LSE.
+At head dim 64 it is slower than the Triton kernel (v8, v10 (d)), so head dims up to 64 stay
+there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, default tiles;
+other configurations run the Triton kernel. Gluon does not run in Triton's interpreter: the GPU
+tests exercise it.
 """
+
 from __future__ import annotations
 
 import torch
