@@ -56,7 +56,10 @@ class FSAttnConfig:
     max_policy : {"sampled", "online"}
         ``"sampled"``: a speculative row max taken from two sampled key tiles (the first, and the
         one level with the query tile), held frozen while no score passes it by more than
-        ``max_threshold``. ``"online"``: the classic running max, rescaling every tile.
+        ``max_threshold``. ``"online"``: a running max. The Triton kernel takes every tile's max
+        and rescales; the default Hopper kernel (``"gluon_ws"``) starts each tile from the max of
+        the tiles before it and takes the tile's max and rescales only when some P would saturate
+        FP8, redoing that tile (no clamped P reaches the output either way).
     on_violation : {"rescale", "recompute"}
         What a query tile does when a score passes the frozen max by more than
         ``max_threshold``: ``"rescale"`` raises the max of the offending rows to that tile's
@@ -88,7 +91,7 @@ class FSAttnConfig:
         ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
         fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
         (SDPA), which is exact and, at that size, faster: fsattn's pre-passes and launches cost a
-        fixed ~1.5 ms of host time. The default, 1e12, lies between the two H200 points around the
+        fixed ~1.4-1.7 ms, mostly host Python. The default, 1e12, lies between the two H200 points around the
         crossover (``benchmarks/results/2026-11-30_h200_v10_seqlen_sweep.png``, 12 heads x 128:
         fsattn is 0.37x of SDPA at 8192 tokens (4.1e11) and 1.12x at 16384 (1.6e12)); it sends
         cross-attention to a few hundred text tokens to SDPA. ``0`` runs every call on fsattn.

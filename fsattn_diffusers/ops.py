@@ -45,7 +45,9 @@ def launch_config(config: FSAttnConfig, device: torch.device, head_dim: int):
     elif CPU_PATH == "interpreter":
         base = INTERPRETER
     else:
-        # The CPU emulation mirrors what the H200 would run, so CPU results stand for it.
+        # The CPU emulation takes the H200's tiles; it models the Triton kernel, which runs head
+        # dim 64 there; at 65-128 the H200 runs the warp-specialised kernel, whose speculative
+        # max rounds P differently (as close to float64; NOTES v10).
         base = default_launch_config((9, 0), head_dim)
     return type(base)(
         block_m=config.block_m or base.block_m,

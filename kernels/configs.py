@@ -35,7 +35,7 @@ _TABLE = {
 # Wan and HunyuanVideo shapes in one process (benchmarks/NOTES.md v8), about the run-to-run spread:
 # a small, not a certain, gain.
 GLUON_WS_STAGES = 4
-# Its key tile: 64 keys run three consumer warpgroups with the speculative max, 2-3 % faster than
+# Its key tile: 64 keys run three consumer warpgroups with the speculative max, 2-4 % faster than
 # two on 128 keys at the Wan shapes (NOTES v10); 4 stages of 64 keys tied 6.
 GLUON_WS_BLOCK_N = 64
 # Ada (sm_89) and Blackwell run the same kernel; these are conservative, correct choices.

@@ -32,7 +32,8 @@ the Wan-1.3B and 14B shapes against 763-774 and 790-806 for two consumers with t
 (v8) and 651-673 and 663-684 for the Triton kernel. Its distance to float64 on DESIGN section 4's
 families is the Triton kernel's within 0.12 percentage point of relative L1 and 1.4e-3 of LSE.
 At head dim 64 it is slower than the Triton kernel (v8, v10 (d)), so head dims up to 64 stay
-there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, default tiles;
+there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, 64-row warpgroups and 64-
+or 128-key tiles;
 other configurations run the Triton kernel. Gluon does not run in Triton's interpreter: the GPU
 tests exercise it.
 """
@@ -209,7 +210,7 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
     its turn a warpgroup issues the row sum and PV of tile j and the score GEMM of tile j + 1,
     hands the turn to warpgroup c + 1, and waits for PV (the score GEMM stays in flight); its
     softmax of tile j + 1 then runs while the others' GEMMs do. With SPECULATIVE off, the Triton
-    kernel's online numerics (bit for bit at its 128-key tiles).
+    kernel's online numerics (bit-close at its 128-key tiles).
     """
     ROWS: gl.constexpr = 64
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -346,7 +347,7 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     """
     if kv.block_n not in CONSUMERS or not 2 <= num_stages <= MAX_STAGES[kv.block_n]:
         raise ValueError("the warp-specialised Gluon kernel takes 64-key tiles with 2-8 stages or 128-key tiles "
-                         f"with 2-4; got block_n={kv.block_n}, num_stages={num_stages}")
+                         f"with 2-4 stages; got block_n={kv.block_n}, num_stages={num_stages}")
     if kv.pv_key_order != "wgmma":
         raise ValueError("the warp-specialised Gluon kernel reads V in the wgmma key order "
                          f"(quantize_kv(..., pv_key_order='wgmma')), got {kv.pv_key_order!r}")

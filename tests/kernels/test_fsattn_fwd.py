@@ -203,9 +203,10 @@ def test_gpu_families_against_float64_and_emulation(family, head_dim):
     out_t = fsattn(q, k, v, attn_mask=mask, config=FSAttnConfig(kernel="triton"))
     emu, emu_lse, emu_fallbacks = _emulate(q, k, v, mask, FSAttnConfig())
     assert rel_l1(out_t, emu) < 1e-2, "the GPU kernel and its emulation disagree"
-    if family != "huge_magnitude":
-        # At head dim 128 the default is the warp-specialised kernel, whose speculative max rounds P
-        # from another max: not bit-close to the Triton kernel, but as close to float64.
+    if family != "huge_magnitude" and head_dim == 128:
+        # At head dim 128 the default is the warp-specialised kernel (64 runs the Triton kernel),
+        # whose speculative max rounds P from another max: not bit-close to the Triton kernel, but
+        # as close to float64.
         assert rel_l1(out, ref) <= 1.1 * rel_l1(out_t, ref) + 1e-3
     attended = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), attended)

@@ -98,15 +98,18 @@ def _assert_as_close_to_float64_as_the_triton_kernel(out, lse, out_t, lse_t, ref
     assert rel_l1(out, ref) <= 1.1 * rel_l1(out_t, ref) + 1e-3
     lse_err = (lse.double() - ref_lse)[attended].abs().max().item()
     lse_err_t = (lse_t.double() - ref_lse)[attended].abs().max().item()
-    assert lse_err <= lse_err_t + 0.25 / sk ** 0.5, (lse_err, lse_err_t)
+    # The two kernels' LSEs differ by their FP8 rounding of the row sum (see the test above).
+    assert lse_err <= lse_err_t + 0.5 / sk ** 0.5, (lse_err, lse_err_t)
 
 
 @pytest.mark.parametrize("block_n,speculative", [(64, True), (64, False), (128, True), (128, False)])
-@pytest.mark.parametrize("family", ["randn", "max_staircase", "late_sink", "masked_keys", "fully_masked"])
+@pytest.mark.parametrize("family", ["randn", "peaky", "max_staircase", "late_sink", "masked_keys", "fully_masked",
+                                    "huge_magnitude"])
 def test_warp_specialised_tiles_and_max_policies(block_n, speculative, family):
     # Each of the kernel's four builds against float64 and the Triton kernel, on the DESIGN section
     # 4 families it covers (per-key masks; the staircase and the sink make the speculative max redo
-    # tiles). Online at 128 keys is the Triton kernel's arithmetic: bit-close to it.
+    # tiles: without the redo their output would be far off). Online at 128 keys is the Triton
+    # kernel's arithmetic: bit-close to it. huge_magnitude only has to stay finite (adversarial.py).
     from fsattn_diffusers.adversarial import make_family
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as ws
     from fsattn_diffusers.kernels.quantize import quantize_kv
@@ -123,6 +126,8 @@ def test_warp_specialised_tiles_and_max_policies(block_n, speculative, family):
     empty = ~torch.isfinite(ref_lse)
     assert torch.isneginf(lse[empty]).all() and (out.transpose(1, 2)[empty] == 0).all()
     assert torch.isfinite(out).all()
+    if family == "huge_magnitude":
+        return
     if block_n == 128 and not speculative:
         assert rel_l1(out, out_t) < 5e-3
         assert torch.allclose(lse, lse_t, atol=2e-3, rtol=0)

@@ -210,6 +210,14 @@ def test_the_warp_specialised_kernel_gets_its_own_key_tile_unless_the_config_set
     assert tiles == [block_n]
 
 
+def test_a_key_tile_the_warp_specialised_kernel_does_not_take_goes_to_the_triton_kernel(monkeypatch):
+    # Through the real coverage check: FSAttnConfig(block_n=32) is valid for the Triton kernel only.
+    launched = []
+    gluon = SimpleNamespace(fsattn_fwd_gluon_ws=lambda *a, **kw: launched.append(1), supports=gluon_ws.supports)
+    quantised, triton_calls = _run_on_a_fake_hopper(monkeypatch, FSAttnConfig(block_n=32), gluon)
+    assert launched == [] and quantised == ["natural"] and triton_calls == ["natural"]
+
+
 def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     # Through ops with the real pre-pass (Triton's interpreter on CPU): what reaches the Gluon
     # launcher is the natural quantisation with V and the row-sum weights permuted, nothing else.
