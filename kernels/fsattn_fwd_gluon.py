@@ -56,10 +56,15 @@ def _issue_tile_loads(k_desc, vt_desc, w_desc, k_smem, vt_smem, w_smem, bars, ti
 def _softmax_tile(s_bits, ks, qs, m):
     """P = 2**(s - m_new + 8) from the INT32 scores; returns (P fp32, m_new, alpha)."""
     # A plain conversion, as in the Triton kernel (the magic accumulator start measured slower there).
-    pre = s_bits.to(gl.float32) * gl.expand_dims(ks, 0)
+    return _softmax_scaled(s_bits.to(gl.float32) * gl.expand_dims(ks, 0), qs, m, 8.0)
+
+
+@gluon.jit
+def _softmax_scaled(pre, qs, m, P_OFFSET: gl.constexpr):
+    """P = 2**(s - m_new + P_OFFSET) from the scores times their key's scale, `pre`."""
     # The row max of the undequantised scores (qs > 0), so the subtraction rides in the next FMA.
     m_new = gl.maximum(m, gl.max(pre, 1) * qs)
-    p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(8.0 - m_new, 1)))
+    p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(P_OFFSET - m_new, 1)))
     alpha = gl.exp2(m - m_new)
     return p, m_new, alpha
 

@@ -32,10 +32,9 @@ the Wan-1.3B and 14B shapes against 763-774 and 790-806 for two consumers with t
 (v8) and 651-673 and 663-684 for the Triton kernel. Its distance to float64 on DESIGN section 4's
 families is the Triton kernel's within 0.12 percentage point of relative L1 and 1.4e-3 of LSE.
 At head dim 64 it is slower than the Triton kernel (v8, v10 (d)), so head dims up to 64 stay
-there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, 64-row warpgroups and 64-
-or 128-key tiles;
-other configurations run the Triton kernel. Gluon does not run in Triton's interpreter: the GPU
-tests exercise it.
+there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, 64-row warpgroups
+and 64- or 128-key tiles; other configurations run the Triton kernel. Gluon does not run in
+Triton's interpreter: the GPU tests exercise it.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .configs import GLUON_WS_STAGES
-from .fsattn_fwd_gluon import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
+from .fsattn_fwd_gluon import ROWSUM_N, _epilogue, _program_rows, _softmax_scaled, _softmax_tile, launch_operands
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
@@ -168,21 +167,22 @@ def _words_to_fp8(words):
 
 
 @gluon.jit
+def _rescaled(acc, l_acc, alpha):
+    """The output and row-sum accumulators times each row's alpha (a moved running max)."""
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1), l_acc * alpha
+
+
+@gluon.jit
 def _speculative_softmax(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
     """P (FP8, in the PV operand's layout) of one tile from the running max m; only when some P
     saturated: the tile's max, the rescale of the accumulators, and P again."""
-    o_row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
     p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m, 1)))
     words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
     if _any_flag(flags):
-        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m_new, 1)))
+        p, m, alpha = _softmax_scaled(pre, qs, m, SPEC_OFFSET)
         words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
-        l_acc = l_acc * alpha
-        m = m_new
+        acc, l_acc = _rescaled(acc, l_acc, alpha)
     return _words_to_fp8(words), m, acc, l_acc
 
 
@@ -193,8 +193,7 @@ def _tile_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr, SPECULATIVE: gl.c
         p8, m, acc, l_acc = _speculative_softmax(s, ks, qs, m, acc, l_acc, p_layout)
     else:
         p, m, alpha = _softmax_tile(s, ks, qs, m)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-        l_acc = l_acc * alpha
+        acc, l_acc = _rescaled(acc, l_acc, alpha)
         p8 = _in_wgmma_order(p.to(gl.float8e4nv), p_layout)
     return p8, m, acc, l_acc
 
