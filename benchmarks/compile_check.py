@@ -148,6 +148,8 @@ def main():
                         help="compile the warp-specialised Gluon kernel instead (--tiles: its stages, D_PAD and "
                              "optionally BLOCK_N as 'stages,d_pad[,block_n]')")
     parser.add_argument("--dump", default=None, help="folder to write each variant's PTX and SASS into")
+    parser.add_argument("--sass", action="store_true",
+                        help="with --gluon-ws: each consumer loop's instruction counts (benchmarks/sass_loop.py)")
     args = parser.parse_args()
     if args.gluon_ws:
         for spec in args.tiles if args.tiles != parser.get_default("tiles") else ["4,128"]:
@@ -157,6 +159,10 @@ def main():
             print(f"stages {stages} d_pad {d_pad:3d} block_n {block_n[0] if block_n else 'default'} gluon_ws {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
                   f"wgmma {ptx.count('wgmma.mma_async'):3d} setmaxnreg {ptx.count('setmaxnreg'):2d} "
                   f"bar.sync {ptx.count('bar.sync'):3d}")
+            if args.sass:
+                from sass_loop import describe
+
+                print(describe(ptx))
         return
     if args.gluon:
         for tiles in args.tiles:

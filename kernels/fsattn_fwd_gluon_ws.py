@@ -1,37 +1,43 @@
 """The fused-softmax forward in Gluon for Hopper, warp-specialised, with the consumer warpgroups
 taking turns at the tensor cores (FlashAttention-3's ping-pong); the default on sm_90 at head
-dims 65-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8, v10).
+dims 65-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8, v10, v11).
 
 Why: the Triton kernel runs one warpgroup per program, two programs per SM, each issuing its own
 loads (address arithmetic and ``cp.async`` in the softmax's instruction stream), meeting a
 program-wide ``bar.sync`` every tile, and waiting for each GEMM right after issuing it; NOTES v6
-found its loop bound by those waits, not by a unit. Here, per program of 3 x 64 query rows
-(64-key tiles; 2 x 64 rows with 128-key tiles):
+found its loop bound by those waits, not by a unit. Here, per program of 2 x 64 query rows
+(128-key tiles, the default; 3 x 64 rows with 64-key tiles):
 
     producer (4 warps, 24 registers)   for each key tile: wait until every consumer released the
                                        ring stage, then TMA K, V^T and the row-sum weights into it
-    consumer w (4 warps, w = 0, 1, 2)  its 64 rows of Q (TMA), then per key tile j: wait for the
+    consumer w (4 warps, w = 0, 1[, 2])  its 64 rows of Q (TMA), then per key tile j: wait for the
                                        score GEMM, softmax; in its turn issue the row sum and PV
-                                       of tile j and the score GEMM of tile j + 1, hand the turn
-                                       to the next warpgroup; wait for PV, release the stage
+                                       of tile j, check P (below), issue the score GEMM of tile
+                                       j + 1, hand the turn to the next warpgroup; wait for PV,
+                                       release the stage
 
 Only mbarriers synchronise (no program-wide barrier). P goes from the score accumulator to the PV
 GEMM's register operand without moving between threads: V and the row-sum weights come in the
 "wgmma" key order (``quantize_kv(..., pv_key_order="wgmma")``), which matches the keys each
 thread already holds (:func:`_in_wgmma_order`).
 
-The softmax is speculative by default (:func:`_speculative_softmax`): a tile's exponentials start
-from the running max of the tiles before it, and only a tile in which some P saturated FP8 takes
-its max, rescales the accumulators and is redone. That takes the row max and the rescale of O,
-per-tile work that doubles when tiles halve, out of the common path, which is what made 64-key
-tiles, and so a third warpgroup per scheduler to hide the softmax's latency, pay (NOTES v9 (f),
-v10 (a)).
+The softmax is speculative by default: a tile's exponentials start from the running max of the
+tiles before it, with no row max and no rescale of O. P goes to the row-sum and PV GEMMs as soon
+as it is converted, and whether some P saturated FP8 (a score rose too far above that max) is
+reduced over the warpgroup while they run; only such a tile then takes its true max, rescales the
+accumulators and adds the GEMMs of a correction D = P_true - alpha * P_spec
+(:func:`_corrected_if_saturated`). Taking the max and the rescale out of the common path made
+64-key tiles with a third warpgroup per scheduler pay (NOTES v10 (a)); checking after the issue
+instead of before took the flag's cross-warp reduction off the path from the scores to the GEMMs
+(+4-6 %, NOTES v11 (c)), after which two warpgroups on 128-key tiles are 1-3 % faster again
+(v11 (d)).
 
-Measured on the H200 (NOTES v10, four processes, SDPA beside): 784-790 and 814-824 TFLOP/s at
-the Wan-1.3B and 14B shapes against 763-774 and 790-806 for two consumers with the online max
-(v8) and 651-673 and 663-684 for the Triton kernel. Its distance to float64 on DESIGN section 4's
-families is the Triton kernel's within 0.12 percentage point of relative L1 and 1.4e-3 of LSE.
-At head dim 64 it is slower than the Triton kernel (v8, v10 (d)), so head dims up to 64 stay
+Measured on the H200 through ``fsattn()`` (NOTES v11 (d), SDPA beside): 836 and 888 TFLOP/s at
+the Wan-1.3B and 14B shapes (1.47x and 1.57x SDPA), against 826 and 863 for three consumers on
+64 keys, 785 and 814 for v10 (the check before the issue) and 656-667 for the Triton kernel. Its
+distance to float64 on DESIGN section 4's families is the Triton kernel's or less (relative L1
+3.42 against 3.36 % on randn, 3.11 against 3.51 % on max_staircase, for 64-key tiles). At head
+dim 64 it ties the Triton kernel (484 against 479 TFLOP/s; v11 (d)), so head dims up to 64 stay
 there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, 64-row warpgroups
 and 64- or 128-key tiles; other configurations run the Triton kernel. Gluon does not run in
 Triton's interpreter: the GPU tests exercise it.
@@ -42,10 +48,11 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
 
 from .configs import GLUON_WS_STAGES
-from .fsattn_fwd_gluon import ROWSUM_N, _epilogue, _program_rows, _softmax_scaled, _softmax_tile, launch_operands
+from .fsattn_fwd_gluon import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
@@ -107,13 +114,13 @@ def _in_wgmma_order(p, layout: gl.constexpr):
     return gl.convert_layout(gl.reshape(x, [ROWS, N]), layout)
 
 
-# The speculative running max (NOTES v9): a tile's exponentials start from the max of the tiles
-# before it, P = 2^(x - m + SPEC_OFFSET), with no max taken. P stays below 448 (FP8 e4m3's
+# The speculative running max (NOTES v9, v11): a tile's exponentials start from the max of the
+# tiles before it, P = 2^(x - m + SPEC_OFFSET), with no max taken. P stays below 448 (FP8 e4m3's
 # largest) while no score rose more than log2(448) - SPEC_OFFSET = 2.8 above m; the conversion
-# saturates anything larger to 448 (byte 0x7E), so a tile is redone with its true max (and the
-# accumulators rescaled) exactly when one of its P bytes is 0x7E or 0x7F (NaN). Adding 2 to each
-# byte of a 4-byte word sets the byte's top bit exactly for those two (P >= 0: no byte reaches
-# 0x80, so no carry crosses bytes).
+# saturates anything larger to 448 (byte 0x7E), so a tile needs its true max (and a correction)
+# exactly when one of its P bytes is 0x7E or 0x7F (NaN). Adding 2 to each byte of a 4-byte word
+# sets the byte's top bit exactly for those two (P >= 0: no byte reaches 0x80, so no carry
+# crosses bytes).
 SPEC_OFFSET = gl.constexpr(6.0)
 SPECULATIVE_MAX = True
 
@@ -173,43 +180,96 @@ def _rescaled(acc, l_acc, alpha):
 
 
 @gluon.jit
-def _speculative_softmax(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
-    """P (FP8, in the PV operand's layout) of one tile from the running max m; only when some P
-    saturated: the tile's max, the rescale of the accumulators, and P again."""
+def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr):
+    """A tile's P from the running max m, as FP8 in the PV operand's layout, and its saturation
+    flags (:func:`_to_fp8_words`)."""
     pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
     p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m, 1)))
     words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
+    return _words_to_fp8(words), flags
+
+
+@gluon.jit
+def _fp8_rounded(p):
+    """P as :func:`_to_fp8_words` rounds it to FP8 (saturating), back in FP32."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b16 t;
+        .reg .b32 h;
+        .reg .f16 lo, hi;
+        cvt.rn.satfinite.e4m3x2.f32 t, $3, $2;
+        cvt.rn.f16x2.e4m3x2 h, t;
+        mov.b32 {lo, hi}, h;
+        cvt.f32.f16 $0, lo;
+        cvt.f32.f16 $1, hi;
+        }""",
+        "=r,=r,r,r", [p], dtype=gl.float32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_tile_ptr):
+    """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
+    issued with its speculative P: its saturation flag is reduced over the warpgroup while they
+    run, and only a saturated tile waits for them, takes its scores again (the score GEMM
+    re-issued: keeping them would hold 32 registers across the GEMMs; spills), rescales the
+    accumulators to its true max and adds the GEMMs of D = P_true - alpha * P_spec, so that
+    alpha * (O + P_spec V) + D V is O with the tile's true P (and likewise the row sums); its
+    returned tokens are complete. D also carries P_spec's FP8 rounding error, rounded again."""
     if _any_flag(flags):
-        p, m, alpha = _softmax_scaled(pre, qs, m, SPEC_OFFSET)
-        words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
+        acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
+        row_layout: gl.constexpr = l_acc.type.layout
+        s_layout: gl.constexpr = row_layout.parent
+        p_o_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=4)
+        p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_tile.type.layout, k_width=4)
+        ROWS: gl.constexpr = q_tile.shape[0]
+        BLOCK_N: gl.constexpr = k_tile.shape[0]
+        l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        ks = gl.load(ks_tile_ptr + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)))
+        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
+        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+        alpha = gl.exp2(m - m_new)
+        # One elementwise expression, so that no two FP32 tiles are live at once (registers); its
+        # P_spec takes _speculative_p8's instructions, so it is the P the GEMMs used.
+        d = (gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m_new, 1)))
+             - gl.expand_dims(alpha, 1) * _fp8_rounded(gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1),
+                                                                     gl.expand_dims(SPEC_OFFSET - m, 1)))))
+        m = m_new
+        d8 = _in_wgmma_order(d, p_o_layout).to(gl.float8e4nv)
         acc, l_acc = _rescaled(acc, l_acc, alpha)
-    return _words_to_fp8(words), m, acc, l_acc
+        l_tok = warpgroup_mma(gl.convert_layout(d8, p_l_layout), w_tile.permute((1, 0)), gl.zeros_like(l_tile),
+                              use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(d8, vt_tile.permute((1, 0)), acc, is_async=True)
+        acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
+        o_tok = warpgroup_mma_init(acc)
+        l_tok = warpgroup_mma_init(l_tile)
+    return m, l_acc, o_tok, l_tok
 
 
 @gluon.jit
-def _tile_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr, SPECULATIVE: gl.constexpr):
-    """One tile's P (FP8, PV operand layout), the new running max, and the rescaled accumulators."""
-    if SPECULATIVE:
-        p8, m, acc, l_acc = _speculative_softmax(s, ks, qs, m, acc, l_acc, p_layout)
-    else:
-        p, m, alpha = _softmax_tile(s, ks, qs, m)
-        acc, l_acc = _rescaled(acc, l_acc, alpha)
-        p8 = _in_wgmma_order(p.to(gl.float8e4nv), p_layout)
-    return p8, m, acc, l_acc
+def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
+    """One tile's P (FP8, PV operand layout) with the online max: the new running max and the
+    rescaled accumulators (the Triton kernel's numerics)."""
+    p, m, alpha = _softmax_tile(s, ks, qs, m)
+    acc, l_acc = _rescaled(acc, l_acc, alpha)
+    return _in_wgmma_order(p.to(gl.float8e4nv), p_layout), m, acc, l_acc
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
+def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
                        qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                        q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                       stride_oh, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr):
+                       stride_oh, N_CONSUMERS: gl.constexpr):
     """Consumer warpgroup `c`: 64 query rows against every key tile.
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
-    its turn a warpgroup issues the row sum and PV of tile j and the score GEMM of tile j + 1,
-    hands the turn to warpgroup c + 1, and waits for PV (the score GEMM stays in flight); its
-    softmax of tile j + 1 then runs while the others' GEMMs do. With SPECULATIVE off, the Triton
-    kernel's online numerics (bit-close at its 128-key tiles).
+    its turn a warpgroup issues the row sum and PV of tile j, checks tile j's speculative P while
+    they run (:func:`_corrected_if_saturated`), issues the score GEMM of tile j + 1, hands the
+    turn to warpgroup c + 1, and waits for PV (the score GEMM stays in flight); its softmax of
+    tile j + 1 then runs while the others' GEMMs do. With SPECULATIVE off, the Triton kernel's
+    online numerics (bit-close at its 128-key tiles).
     """
     ROWS: gl.constexpr = 64
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -225,7 +285,6 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
     p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     # Warpgroup 0 takes the first turn: its first wait is on the parity a fresh mbarrier has done.
     FIRST: gl.constexpr = 1 if c == 0 else 0
 
@@ -249,13 +308,20 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
         stage = tile % STAGES
         nxt = tile + 1
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        p8, m, acc, l_acc = _tile_p8(s, ks, qs, m, acc, l_acc, p_o_layout, SPECULATIVE)
+        if SPECULATIVE:
+            p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
+        else:
+            p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
         ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
         mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                               use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        if SPECULATIVE:
+            m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile,
+                                                             k_smem.index(stage), w_smem.index(stage),
+                                                             vt_smem.index(stage), ks_ptr + kv_row + tile * BLOCK_N)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
@@ -267,11 +333,18 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, e
     last = n_tiles - 1
     stage = last % STAGES
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    p8, m, acc, l_acc = _tile_p8(s, ks, qs, m, acc, l_acc, p_o_layout, SPECULATIVE)
+    if SPECULATIVE:
+        p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
+    else:
+        p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
     mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    if SPECULATIVE:
+        m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_smem.index(stage),
+                                                         w_smem.index(stage), vt_smem.index(stage),
+                                                         ks_ptr + kv_row + last * BLOCK_N)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
@@ -312,15 +385,15 @@ def _fsattn_fwd_gluon_ws_kernel(
     consumer_args = (q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
                      qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                      q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                     stride_oh, SPECULATIVE, N_CONSUMERS)
+                     stride_oh, N_CONSUMERS)
     producer_args = (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
                      q_row, kv_row, vt_row, w_row, n_tiles)
     if N_CONSUMERS == 3:
-        gl.warp_specialize([(_consumer, (0,) + consumer_args), (_consumer, (1,) + consumer_args),
-                            (_consumer, (2,) + consumer_args), (_producer, producer_args)],
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE) + consumer_args), (_consumer, (1, SPECULATIVE) + consumer_args),
+                            (_consumer, (2, SPECULATIVE) + consumer_args), (_producer, producer_args)],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer, (0,) + consumer_args), (_consumer, (1,) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE) + consumer_args), (_consumer, (1, SPECULATIVE) + consumer_args),
                             (_producer, producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 

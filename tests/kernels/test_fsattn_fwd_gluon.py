@@ -106,10 +106,11 @@ def _assert_as_close_to_float64_as_the_triton_kernel(out, lse, out_t, lse_t, ref
 @pytest.mark.parametrize("family", ["randn", "peaky", "max_staircase", "late_sink", "masked_keys", "fully_masked",
                                     "huge_magnitude"])
 def test_warp_specialised_tiles_and_max_policies(block_n, speculative, family):
-    # Each of the kernel's four builds against float64 and the Triton kernel, on the DESIGN section
-    # 4 families it covers (per-key masks; the staircase and the sink make the speculative max redo
-    # tiles: without the redo their output would be far off). Online at 128 keys is the Triton
-    # kernel's arithmetic: bit-close to it. huge_magnitude only has to stay finite (adversarial.py).
+    # Each of the kernel's four builds against float64 and the Triton kernel, on the DESIGN
+    # section 4 families it covers (per-key masks; the staircase and the sink saturate the
+    # speculative P of many tiles: without their correction the output would be far off). Online
+    # at 128 keys is the Triton kernel's arithmetic: bit-close to it. huge_magnitude only has to
+    # stay finite (adversarial.py).
     from fsattn_diffusers.adversarial import make_family
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as ws
     from fsattn_diffusers.kernels.quantize import quantize_kv

@@ -1,0 +1,112 @@
+"""Instruction counts of a kernel's inner loops from its SASS (NOTES v8-v11 quote them).
+
+    python benchmarks/compile_check.py --gluon-ws --tiles 4,128,128 --sass
+
+`loops` finds each wgmma-issuing loop as the span from a backward branch's target to the branch;
+`common_path` drops the longest span that a predicated forward branch inside the loop skips (the speculative
+max's correction, taken rarely), leaving what every tile runs. Counts are per warp and loop trip.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+
+OPCODES = ("MUFU", "FMUL", "FFMA", "I2FP", "F2FP", "FMNMX", "SHFL", "BAR", "SYNCS", "LOP3", "REDUX", "STS", "LDS")
+_BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
+
+
+def sass_of(ptx: str) -> str:
+    """The SASS (nvdisasm) of PTX compiled for sm_90a with Triton's bundled ptxas."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", src, "-o", cubin], check=True,
+                       capture_output=True)
+        return subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], check=True, capture_output=True,
+                              text=True).stdout
+
+
+def _instructions(sass: str):
+    """The instruction texts in order, and each label's index."""
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if ins:
+            instructions.append(ins.group(1))
+    return instructions, labels
+
+
+def _opcode(ins: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+
+
+def loops(sass: str, max_len: int = 2000):
+    """(first, last) instruction indices of each loop (a backward branch and its target) that
+    issues a wgmma: the consumers' key loops."""
+    instructions, labels = _instructions(sass)
+    spans = []
+    for i, ins in enumerate(instructions):
+        target = _BRANCH.search(ins)
+        if target and labels.get(target.group(1), i) < i and i - labels[target.group(1)] < max_len:
+            first = labels[target.group(1)]
+            if any(x.startswith("WARPGROUP.ARRIVE") for x in instructions[first:i]):
+                spans.append((first, i))
+    # Shortest first; a span overlapping an accepted one is structure around the loops (the
+    # partitions' dispatch), not a loop of its own.
+    accepted = []
+    for span in sorted(set(spans), key=lambda s: s[1] - s[0]):
+        if all(span[1] < a[0] or a[1] < span[0] for a in accepted):
+            accepted.append(span)
+    return sorted(accepted)
+
+
+def common_path(sass: str, span):
+    """Opcode counts (and the instructions) of a loop without the longest block that a predicated
+    forward branch inside it skips."""
+    instructions, labels = _instructions(sass)
+    first, last = span
+    skip = (last, last)
+    for i in range(first, last):
+        target = _BRANCH.search(instructions[i])
+        if target and instructions[i].startswith("@"):
+            t = labels[target.group(1)]
+            if i < t <= last and t - i > skip[1] - skip[0]:
+                skip = (i + 1, t)
+    body = instructions[first:skip[0]] + instructions[skip[1]:last + 1]
+    counts = collections.Counter(_opcode(ins) for ins in body)
+    counts["total"] = len(body)
+    return counts, body
+
+
+def first_positions(body, prefixes=("MUFU", "WARPGROUP.ARRIVE", "STS")) -> dict:
+    """Where in a common path an instruction with each prefix first appears (index), to check an
+    order: the speculative max's flag exchange (STS) after the GEMM issue (WARPGROUP.ARRIVE)."""
+    texts = [re.sub(r"^@!?U?P\w+\s+", "", ins) for ins in body]
+    return {p: next((i for i, t in enumerate(texts) if t.startswith(p)), None) for p in prefixes}
+
+
+def describe(ptx: str) -> str:
+    """One line per inner loop: its length, and its common path's length and opcode counts."""
+    sass = sass_of(ptx)
+    lines = []
+    for span in loops(sass):
+        c, body = common_path(sass, span)
+        if c["MUFU"] < 16:  # a backward branch around the last tile and the epilogue, not a key loop
+            continue
+        first = first_positions(body)
+        lines.append(f"  loop of {span[1] - span[0] + 1} instructions, common path {c['total']}: "
+                     + ", ".join(f"{op} {c[op]}" for op in OPCODES)
+                     + "; first at " + ", ".join(f"{op} {i}" for op, i in first.items()))
+    return "\n".join(lines)
