@@ -83,7 +83,7 @@ class FSAttnConfig:
     block_m, block_n : int or None
         Tile sizes (query rows per program, keys per tile). ``None`` picks the tuned default for
         the GPU and head dim. ``block_n`` is also the K-scale granularity. The warp-specialised
-        Gluon kernel takes ``block_n`` 64 (its default: three consumer warpgroups) or 128 (two).
+        Gluon kernel takes ``block_n`` 128 (its default: two consumer warpgroups) or 64 (three).
     num_warps, num_stages : int or None
         Launch overrides for the Triton kernel (``None``: tuned default).
     sdpa_below_flops : float
@@ -100,10 +100,11 @@ class FSAttnConfig:
         ``"auto"`` (default): the fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims
         65-128 where it covers the call, else the Triton kernel. ``"triton"``: the Triton kernel,
         every configuration and GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon
-        kernel, a TMA producer warp and three consumer warpgroups on 64-key tiles that take turns
-        at the tensor cores, with a speculative running max (a tile is redone from its true max
-        only when some P saturated FP8); 18-24 % faster than the Triton kernel at head dim 128 on
-        the H200, slower at 64 (benchmarks/NOTES.md v8, v10). Its distance to float64 matches the
+        kernel, a TMA producer warp and two consumer warpgroups on 128-key tiles that take turns
+        at the tensor cores, with a speculative running max (whether some P saturated FP8 is
+        checked while P's GEMMs run; only such a tile is corrected from its true max); 26-35 %
+        faster than the Triton kernel at head dim 128 on the H200, a tie at 64
+        (benchmarks/NOTES.md v8, v10, v11). Its distance to float64 matches the
         Triton kernel's, but its P is rounded from another max, so its output is not bit-equal.
         ``"gluon"`` (experimental, Hopper only): the Gluon kernel that overlaps the next tile's
         score GEMM with the current softmax inside one warpgroup; 8-25 % slower than the Triton

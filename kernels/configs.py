@@ -35,9 +35,10 @@ _TABLE = {
 # Wan and HunyuanVideo shapes in one process (benchmarks/NOTES.md v8), about the run-to-run spread:
 # a small, not a certain, gain.
 GLUON_WS_STAGES = 4
-# Its key tile: 64 keys run three consumer warpgroups with the speculative max, 2-4 % faster than
-# two on 128 keys at the Wan shapes (NOTES v10); 4 stages of 64 keys tied 6.
-GLUON_WS_BLOCK_N = 64
+# Its key tile: 128 keys run two consumer warpgroups, 64 keys three. With the saturation check
+# before the GEMM issue three on 64 were 2-4 % faster (NOTES v10); with it after the issue, two on
+# 128 measured 1-3 % faster than three on 64 at all four benchmark shapes (NOTES v11 (d)).
+GLUON_WS_BLOCK_N = 128
 # Ada (sm_89) and Blackwell run the same kernel; these are conservative, correct choices.
 _GENERIC = LaunchConfig(64, 64, 4, 2)
 # The Triton interpreter (CPU tests) wants small tiles to stay quick.

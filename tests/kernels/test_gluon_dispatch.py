@@ -1,5 +1,6 @@
 """Which calls the Gluon kernels take (runs on CPU: the decision only reads shapes and flags)."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -200,9 +201,10 @@ def test_the_warp_specialised_kernel_runs_four_stages_unless_the_config_says(mon
     assert launched == [stages]
 
 
-@pytest.mark.parametrize("config,block_n", [(FSAttnConfig(), 64), (FSAttnConfig(block_n=128), 128)])
+@pytest.mark.parametrize("config,block_n", [(FSAttnConfig(), 128), (FSAttnConfig(block_n=64), 64)])
 def test_the_warp_specialised_kernel_gets_its_own_key_tile_unless_the_config_sets_one(monkeypatch, config, block_n):
-    # NOTES v10: three consumer warpgroups on 64-key tiles beat two on 128 (the Triton kernel's tile).
+    # NOTES v11 (d): two consumer warpgroups on 128-key tiles, whatever the Triton kernel's tile
+    # (here the interpreter's 32); FSAttnConfig(block_n=64) runs three on 64.
     tiles = []
     gluon = SimpleNamespace(fsattn_fwd_gluon_ws=lambda q, kv, *a, **kw: tiles.append(kv.block_n),
                             supports=lambda layout, **kw: layout.block_n in (64, 128))
@@ -233,7 +235,8 @@ def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     q, k, v = (torch.randn(1, 100, 2, 64, generator=gen) for _ in range(3))
     weight = (torch.rand(1, 100, generator=gen) > 0.2).float()
     config = FSAttnConfig(kernel="gluon_ws")  # head dim 64 keeps the interpreter quick; "auto" runs Triton there
-    launch = ops.launch_config(config, torch.device("cpu"), 64)
+    # A Triton tile the warp-specialised kernel does not take, so that its own tile shows.
+    launch = replace(ops.launch_config(config, torch.device("cpu"), 64), block_n=32)
     ops._run_kernels(q, k, v, weight, None, 0.125, config, launch, torch.empty_like(q), None)
     (kv,) = received
     assert kv.block_n == GLUON_WS_BLOCK_N != launch.block_n  # its own tile, not the Triton kernel's
