@@ -91,9 +91,9 @@ class FSAttnConfig:
         ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
         fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
         (SDPA), which is exact and, at that size, faster: fsattn's pre-passes and launches cost a
-        fixed ~1.4-1.7 ms, mostly host Python. The default, 1e12, lies between the two H200 points around the
-        crossover (``benchmarks/results/2026-11-30_h200_v10_seqlen_sweep.png``, 12 heads x 128:
-        fsattn is 0.37x of SDPA at 8192 tokens (4.1e11) and 1.12x at 16384 (1.6e12)); it sends
+        fixed ~1.2-1.7 ms, mostly host Python. The default, 1e12, lies between the two H200 points around the
+        crossover (``benchmarks/results/2026-11-30_h200_v11_seqlen_sweep.png``, 12 heads x 128:
+        fsattn is 0.54x of SDPA at 8192 tokens (4.1e11) and 1.19x at 16384 (1.6e12)); it sends
         cross-attention to a few hundred text tokens to SDPA. ``0`` runs every call on fsattn.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same attention to within FP8 rounding.
