@@ -151,6 +151,8 @@ def main():
     parser.add_argument("--sass", action="store_true",
                         help="with --gluon-ws: each consumer loop's instruction counts (benchmarks/sass_loop.py)")
     args = parser.parse_args()
+    if args.sass and not args.gluon_ws:
+        parser.error("--sass reads the warp-specialised kernel's consumer loops: use it with --gluon-ws")
     if args.gluon_ws:
         for spec in args.tiles if args.tiles != parser.get_default("tiles") else ["4,128"]:
             stages, d_pad, *block_n = (int(x) for x in spec.split(","))

@@ -18,7 +18,8 @@ import tempfile
 import triton
 
 OPCODES = ("MUFU", "FMUL", "FFMA", "I2FP", "F2FP", "FMNMX", "SHFL", "BAR", "SYNCS", "LOP3", "REDUX", "STS", "LDS")
-_BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
+# "BRA `(.L_x_7)", and the forms with modifiers or a predicate operand ("BRA.U !UP0, `(.L_x_7)").
+_BRANCH = re.compile(r"BRA(?:\.\w+)*\s+(?:[^`]*,\s*)?`\((\.L_x_\d+)\)")
 
 
 def sass_of(ptx: str) -> str:
@@ -90,11 +91,12 @@ def common_path(sass: str, span):
     return counts, body
 
 
-def first_positions(body, prefixes=("MUFU", "WARPGROUP.ARRIVE", "STS")) -> dict:
-    """Where in a common path an instruction with each prefix first appears (index), to check an
-    order: the speculative max's flag exchange (STS) after the GEMM issue (WARPGROUP.ARRIVE)."""
+def positions(body, prefixes=("WARPGROUP.ARRIVE", "STS")) -> dict:
+    """Where in a common path the instructions with each prefix are (indices), to check an order:
+    the speculative max's flag exchange (STS) after the row-sum and PV GEMMs' issue (a
+    WARPGROUP.ARRIVE each) and before the next score GEMM's."""
     texts = [re.sub(r"^@!?U?P\w+\s+", "", ins) for ins in body]
-    return {p: next((i for i, t in enumerate(texts) if t.startswith(p)), None) for p in prefixes}
+    return {p: [i for i, t in enumerate(texts) if t.startswith(p)] for p in prefixes}
 
 
 def describe(ptx: str) -> str:
@@ -105,8 +107,8 @@ def describe(ptx: str) -> str:
         c, body = common_path(sass, span)
         if c["MUFU"] < 16:  # a backward branch around the last tile and the epilogue, not a key loop
             continue
-        first = first_positions(body)
+        at = positions(body)
         lines.append(f"  loop of {span[1] - span[0] + 1} instructions, common path {c['total']}: "
                      + ", ".join(f"{op} {c[op]}" for op in OPCODES)
-                     + "; first at " + ", ".join(f"{op} {i}" for op, i in first.items()))
+                     + "; at " + "; ".join(f"{op} {' '.join(map(str, i))}" for op, i in at.items()))
     return "\n".join(lines)

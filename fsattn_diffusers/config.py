@@ -58,8 +58,8 @@ class FSAttnConfig:
         one level with the query tile), held frozen while no score passes it by more than
         ``max_threshold``. ``"online"``: a running max. The Triton kernel takes every tile's max
         and rescales; the default Hopper kernel (``"gluon_ws"``) starts each tile from the max of
-        the tiles before it and takes the tile's max and rescales only when some P would saturate
-        FP8, redoing that tile (no clamped P reaches the output either way).
+        the tiles before it and, only when some P saturated FP8, takes the tile's max, rescales
+        and adds a correction after the tile's GEMMs (no clamped P reaches the output either way).
     on_violation : {"rescale", "recompute"}
         What a query tile does when a score passes the frozen max by more than
         ``max_threshold``: ``"rescale"`` raises the max of the offending rows to that tile's
@@ -102,7 +102,7 @@ class FSAttnConfig:
         every configuration and GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon
         kernel, a TMA producer warp and two consumer warpgroups on 128-key tiles that take turns
         at the tensor cores, with a speculative running max (whether some P saturated FP8 is
-        checked while P's GEMMs run; only such a tile is corrected from its true max); 26-35 %
+        checked while P's GEMMs run; only such a tile is corrected from its true max); 25-36 %
         faster than the Triton kernel at head dim 128 on the H200, a tie at 64
         (benchmarks/NOTES.md v8, v10, v11). Its distance to float64 matches the
         Triton kernel's, but its P is rounded from another max, so its output is not bit-equal.

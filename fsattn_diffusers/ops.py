@@ -117,9 +117,9 @@ def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
 
 def preferred_kernel(config: FSAttnConfig, head_dim: int) -> str:
     """The kernel a call asks for before coverage is checked: ``config.kernel``, with ``"auto"``
-    resolved to the warp-specialised Gluon kernel at padded head dim 128 (where it measured 18-24 %
-    faster than the Triton kernel on the H200) and to the Triton kernel below (5 % slower at 64;
-    benchmarks/NOTES.md v10)."""
+    resolved to the warp-specialised Gluon kernel at padded head dim 128 (where it measured 25-36 %
+    faster than the Triton kernel on the H200) and to the Triton kernel below (at 64 the two are
+    within 2 %; benchmarks/NOTES.md v10 (d), v11 (d))."""
     if config.kernel != "auto":
         return config.kernel
     return "gluon_ws" if _padded_dim(head_dim) == 128 else "triton"

@@ -33,12 +33,13 @@ instead of before took the flag's cross-warp reduction off the path from the sco
 (v11 (d)).
 
 Measured on the H200 through ``fsattn()`` (NOTES v11 (d), SDPA beside): 836 and 888 TFLOP/s at
-the Wan-1.3B and 14B shapes (1.47x and 1.57x SDPA), against 826 and 863 for three consumers on
-64 keys, 785 and 814 for v10 (the check before the issue) and 656-667 for the Triton kernel. Its
-distance to float64 on DESIGN section 4's families is the Triton kernel's or less (relative L1
-3.42 against 3.36 % on randn, 3.11 against 3.51 % on max_staircase, for 64-key tiles). At head
-dim 64 it ties the Triton kernel (484 against 479 TFLOP/s; v11 (d)), so head dims up to 64 stay
-there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, 64-row warpgroups
+the Wan-1.3B and 14B shapes (1.47x and 1.57x SDPA), against 826 and 865 for three consumers on
+64 keys and 656-667 for the Triton kernel (v10's check before the issue: 785 and 814 beside
+v11 (c)'s probe). Its distance to float64 on DESIGN section 4's families, measured with 64-key
+tiles, is within 0.08 percentage point of the Triton kernel's relative L1 and 6e-4 of its LSE
+error, and closer on max_staircase (3.11 against 3.51 %); the GPU tests hold both tiles within
+1.1x the Triton kernel's relative L1 plus 0.1 percentage point. At head dim 64 it ties the Triton kernel (484 against 479 TFLOP/s; v11 (d)), so
+head dims up to 64 stay there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, 64-row warpgroups
 and 64- or 128-key tiles; other configurations run the Triton kernel. Gluon does not run in
 Triton's interpreter: the GPU tests exercise it.
 """
@@ -211,7 +212,7 @@ def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w
     """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
     issued with its speculative P: its saturation flag is reduced over the warpgroup while they
     run, and only a saturated tile waits for them, takes its scores again (the score GEMM
-    re-issued: keeping them would hold 32 registers across the GEMMs; spills), rescales the
+    re-issued: keeping them would hold 32 or 64 registers across the GEMMs; spills), rescales the
     accumulators to its true max and adds the GEMMs of D = P_true - alpha * P_spec, so that
     alpha * (O + P_spec V) + D V is O with the tile's true P (and likewise the row sums); its
     returned tokens are complete. D also carries P_spec's FP8 rounding error, rounded again."""

@@ -41,8 +41,9 @@ def run(q, k, v, weight, kernel, stages, speculative=ws.SPECULATIVE_MAX, block_n
     return out, lse
 
 
-# (stages, speculative, key tile): the default, two consumers on 128 keys (speculative, then
-# online: v8's default). NOTES v11's builds are in experiments/ws_v11_builds.diff.
+# (stages, speculative, key tile): three consumers on 64 keys, then two on 128 keys with the
+# speculative max (the default) and with the online one (v8's default). NOTES v11's builds are in
+# experiments/ws_v11_builds.diff.
 VARIANTS = ((4, True, 64), (4, True, 128), (4, False, 128))
 
 
