@@ -181,11 +181,16 @@ def _rescaled(acc, l_acc, alpha):
 
 
 @gluon.jit
+def _p_from(pre, qs, m):
+    """P = 2^(x - m + SPEC_OFFSET) from the scores times their key's scale, `pre`, and a max m."""
+    return gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m, 1)))
+
+
+@gluon.jit
 def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr):
     """A tile's P from the running max m, as FP8 in the PV operand's layout, and its saturation
     flags (:func:`_to_fp8_words`)."""
-    pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
-    p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m, 1)))
+    p = _p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m)
     words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
     return _words_to_fp8(words), flags
 
@@ -234,9 +239,7 @@ def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w
         alpha = gl.exp2(m - m_new)
         # One elementwise expression, so that no two FP32 tiles are live at once (registers); its
         # P_spec takes _speculative_p8's instructions, so it is the P the GEMMs used.
-        d = (gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m_new, 1)))
-             - gl.expand_dims(alpha, 1) * _fp8_rounded(gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1),
-                                                                     gl.expand_dims(SPEC_OFFSET - m, 1)))))
+        d = _p_from(pre, qs, m_new) - gl.expand_dims(alpha, 1) * _fp8_rounded(_p_from(pre, qs, m))
         m = m_new
         d8 = _in_wgmma_order(d, p_o_layout).to(gl.float8e4nv)
         acc, l_acc = _rescaled(acc, l_acc, alpha)
