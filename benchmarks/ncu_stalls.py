@@ -14,19 +14,14 @@ import collections
 import csv
 import json
 
+from sass_loop import opcode
+
 
 def _num(text):
     try:
         return float(text)
     except ValueError:
         return 0.0
-
-
-def _opcode(sass):
-    words = sass.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return words[0].split(".")[0] if words else ""
 
 
 def loops(path, min_len=100):
@@ -52,7 +47,7 @@ def loops(path, min_len=100):
         reasons = collections.Counter()
         by_opcode = collections.defaultdict(collections.Counter)
         for r in body:
-            op = _opcode(r[col["Source"]])
+            op = opcode(r[col["Source"]])
             for c in stall_cols:
                 reasons[header[c][len("stall_"):]] += _num(r[c])
                 by_opcode[op][header[c][len("stall_"):]] += _num(r[c])

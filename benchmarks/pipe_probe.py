@@ -14,8 +14,6 @@ import argparse
 import collections
 import json
 import os
-import subprocess
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # --sass compiles for sm_90a, which the interpreter cannot
 
@@ -24,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from sass_loop import sass_of
 
 # name -> (PTX with $0 = result, $1 = the previous value; operand type)
 OPS = {
@@ -90,12 +90,7 @@ def sass_opcodes(op: str) -> collections.Counter:
     consts = {"BLOCK": 16 * 32 * CHAINS, "ASM_A": OPS[a][0], "ASM_B": OPS[b][0] if b else "", "INNER": INNER}
     kernel = triton.compile(ASTSource(_chains_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 16})
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        with open(f"{d}/k.ptx", "w") as f:
-            f.write(kernel.asm["ptx"])
-        subprocess.run([f"{bin_dir}/ptxas", "-arch=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], check=True)
-        out = subprocess.run([f"{bin_dir}/nvdisasm", "-c", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+    out = sass_of(kernel.asm["ptx"])
     # The whole kernel's opcodes (the loop dominates); predicated instructions (the loop's exit
     # branch, bounds checks) are left out.
     ops = [ln.split("*/")[1].strip().split()[0] for ln in out.splitlines() if "*/" in ln and ";" in ln]

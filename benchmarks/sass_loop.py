@@ -15,8 +15,6 @@ import re
 import subprocess
 import tempfile
 
-import triton
-
 OPCODES = ("MUFU", "FMUL", "FFMA", "I2FP", "F2FP", "FMNMX", "SHFL", "BAR", "SYNCS", "LOP3", "REDUX", "STS", "LDS")
 # "BRA `(.L_x_7)", and the forms with modifiers or a predicate operand ("BRA.U !UP0, `(.L_x_7)").
 _BRANCH = re.compile(r"BRA(?:\.\w+)*\s+(?:[^`]*,\s*)?`\((\.L_x_\d+)\)")
@@ -24,6 +22,8 @@ _BRANCH = re.compile(r"BRA(?:\.\w+)*\s+(?:[^`]*,\s*)?`\((\.L_x_\d+)\)")
 
 def sass_of(ptx: str) -> str:
     """The SASS (nvdisasm) of PTX compiled for sm_90a with Triton's bundled ptxas."""
+    import triton  # here, so that reading SASS text (ncu_stalls.py) needs no Triton
+
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -49,8 +49,15 @@ def _instructions(sass: str):
     return instructions, labels
 
 
-def _opcode(ins: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+def _unpredicated(ins: str) -> str:
+    words = ins.split()
+    return " ".join(words[1:] if words and words[0].startswith("@") else words)
+
+
+def opcode(ins: str) -> str:
+    """An instruction's opcode without its predicate and modifiers ("@!P0 MUFU.EX2 R1, R2" -> "MUFU")."""
+    text = _unpredicated(ins)
+    return text.split()[0].split(".")[0] if text else ""
 
 
 def loops(sass: str, max_len: int = 2000):
@@ -86,7 +93,7 @@ def common_path(sass: str, span):
             if i < t <= last and t - i > skip[1] - skip[0]:
                 skip = (i + 1, t)
     body = instructions[first:skip[0]] + instructions[skip[1]:last + 1]
-    counts = collections.Counter(_opcode(ins) for ins in body)
+    counts = collections.Counter(opcode(ins) for ins in body)
     counts["total"] = len(body)
     return counts, body
 
@@ -95,7 +102,7 @@ def positions(body, prefixes=("WARPGROUP.ARRIVE", "STS")) -> dict:
     """Where in a common path the instructions with each prefix are (indices), to check an order:
     the speculative max's flag exchange (STS) after the row-sum and PV GEMMs' issue (a
     WARPGROUP.ARRIVE each) and before the next score GEMM's."""
-    texts = [re.sub(r"^@!?U?P\w+\s+", "", ins) for ins in body]
+    texts = [_unpredicated(ins) for ins in body]
     return {p: [i for i, t in enumerate(texts) if t.startswith(p)] for p in prefixes}
 
 
