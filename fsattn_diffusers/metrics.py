@@ -5,9 +5,12 @@ Videos
 A video is a NumPy array or a torch tensor of frames, channels last: ``(F, H, W, C)`` (what
 diffusers returns with ``output_type="np"``) or ``(F, H, W)`` for one channel. ``uint8`` frames
 have a data range of 255; floating frames are taken to lie in ``[0, 1]`` (range 1.0). Pass
-``data_range`` to say otherwise. PSNR and SSIM are scikit-image's
-(``skimage.metrics.peak_signal_noise_ratio`` / ``structural_similarity``), applied frame by frame;
-LPIPS is the ``lpips`` package's, used only where it and its network weights are already on disk.
+``data_range`` to say otherwise. PSNR and SSIM are computed here in NumPy, frame by frame, with
+scikit-image's definitions and defaults (``skimage.metrics.peak_signal_noise_ratio`` and
+``structural_similarity``: a 7x7 uniform window, K1 = 0.01, K2 = 0.03, sample covariance,
+channels averaged), in float64, so that they need nothing beyond NumPy; the tests check them
+against scikit-image (which computes float32 frames in float32: ~1e-7 apart there). LPIPS is the ``lpips`` package's, used only where it and its network weights are
+already on disk.
 
 Attention outputs
 -----------------
@@ -86,18 +89,14 @@ def _pair(reference, test, data_range):
 def psnr_per_frame(reference, test, data_range=None) -> np.ndarray:
     """PSNR (dB) of each frame, float64 ``(F,)``; identical frames give ``inf``.
 
-    ``10 * log10(data_range**2 / MSE)``: a constant offset of ``d`` on 8-bit frames gives
-    ``20 * log10(255 / d)``.
+    ``10 * log10(data_range**2 / MSE)`` with the MSE over all pixels and channels of a frame, in
+    float64: a constant offset of ``d`` on 8-bit frames gives ``20 * log10(255 / d)``.
     """
-    from skimage.metrics import peak_signal_noise_ratio
-
     ref, tst, data_range = _pair(reference, test, data_range)
     out = np.empty(ref.shape[0], dtype=np.float64)
     for i in range(ref.shape[0]):
-        if np.array_equal(ref[i], tst[i]):
-            out[i] = math.inf  # skimage would divide by zero (and warn) to get there
-        else:
-            out[i] = peak_signal_noise_ratio(ref[i], tst[i], data_range=data_range)
+        mse = float(np.mean((ref[i].astype(np.float64) - tst[i].astype(np.float64)) ** 2))
+        out[i] = math.inf if mse == 0 else 10.0 * math.log10(data_range**2 / mse)
     return out
 
 
@@ -109,16 +108,46 @@ def _ssim_window(height: int, width: int) -> int:
     return side if side % 2 == 1 else side - 1
 
 
-def ssim_per_frame(reference, test, data_range=None) -> np.ndarray:
-    """SSIM of each frame (scikit-image, uniform 7x7 window, channels averaged), float64 ``(F,)``."""
-    from skimage.metrics import structural_similarity
+def _box_mean(image: np.ndarray, win: int) -> np.ndarray:
+    """Mean over every ``win x win`` window lying wholly inside `image` (H, W, C), float64.
 
+    Running sums along one axis at a time: each sum spans at most one row or column, which keeps
+    float64 rounding far below what SSIM can show.
+    """
+    for axis in (0, 1):
+        csum = np.cumsum(image, axis=axis, dtype=np.float64)
+        zero = np.zeros_like(np.take(csum, [0], axis=axis))
+        csum = np.concatenate([zero, csum], axis=axis)
+        n = csum.shape[axis]
+        image = np.take(csum, np.arange(win, n), axis=axis) - np.take(csum, np.arange(0, n - win), axis=axis)
+    return image / (win * win)
+
+
+def _ssim_frame(ref: np.ndarray, tst: np.ndarray, data_range: float, win: int) -> float:
+    """Mean SSIM of one ``(H, W, C)`` frame, channels averaged (scikit-image's definition).
+
+    scikit-image filters the whole frame and then drops ``(win - 1) // 2`` pixels at each border,
+    which leaves exactly the windows wholly inside the frame: the only ones computed here.
+    """
+    x, y = ref.astype(np.float64), tst.astype(np.float64)
+    n = win * win
+    cov_norm = n / (n - 1.0)  # sample covariance, as use_sample_covariance=True
+    ux, uy = _box_mean(x, win), _box_mean(y, win)
+    vx = cov_norm * (_box_mean(x * x, win) - ux * ux)
+    vy = cov_norm * (_box_mean(y * y, win) - uy * uy)
+    vxy = cov_norm * (_box_mean(x * y, win) - ux * uy)
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    ssim_map = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
+    return float(ssim_map.mean(axis=(0, 1)).mean())
+
+
+def ssim_per_frame(reference, test, data_range=None) -> np.ndarray:
+    """SSIM of each frame, float64 ``(F,)``: a 7x7 uniform window (smaller for frames under 7
+    pixels), K1 = 0.01, K2 = 0.03, sample covariance, channels averaged, as scikit-image's
+    ``structural_similarity`` computes by default."""
     ref, tst, data_range = _pair(reference, test, data_range)
     win = _ssim_window(ref.shape[1], ref.shape[2])
-    out = np.empty(ref.shape[0], dtype=np.float64)
-    for i in range(ref.shape[0]):
-        out[i] = structural_similarity(ref[i], tst[i], data_range=data_range, channel_axis=-1, win_size=win)
-    return out
+    return np.array([_ssim_frame(ref[i], tst[i], data_range, win) for i in range(ref.shape[0])], dtype=np.float64)
 
 
 def lpips_status(net: str = "alex") -> tuple[bool, str]:

@@ -65,6 +65,43 @@ def test_psnr_and_ssim_match_scikit_image_frame_by_frame():
     assert 0.0 < ssim.max() < 1.0
 
 
+@pytest.mark.parametrize("channels, dtype", [(3, np.float32), (1, np.float64), (3, np.uint8)])
+def test_ssim_matches_scikit_image_on_structured_frames(channels, dtype):
+    # Smooth gradients plus noise (not only noise): the means, variances and covariance of the
+    # windows all vary over the frame, and the frame is larger than a few windows.
+    rng = np.random.default_rng(4)
+    yy, xx = np.mgrid[0:40, 0:56] / 56.0
+    base = (0.5 + 0.4 * np.sin(6 * xx + 3 * yy))[None, ..., None] * np.ones((2, 1, 1, channels))
+    ref = np.clip(base + 0.05 * rng.standard_normal(base.shape), 0, 1)
+    test = np.clip(ref + 0.08 * rng.standard_normal(ref.shape) + 0.02, 0, 1)
+    if dtype == np.uint8:
+        ref, test = metrics.to_uint8(ref), metrics.to_uint8(test)
+    else:
+        ref, test = ref.astype(dtype), test.astype(dtype)
+    data_range = 255 if dtype == np.uint8 else 1.0
+    got = metrics.ssim_per_frame(ref, test)
+    # scikit-image computes float32 frames in float32, metrics always in float64.
+    tol = 1e-6 if dtype == np.float32 else 1e-10
+    for i in range(2):
+        want = structural_similarity(ref[i], test[i], data_range=data_range, channel_axis=-1)
+        assert got[i] == pytest.approx(want, abs=tol)
+        psnr = peak_signal_noise_ratio(ref[i], test[i], data_range=data_range)
+        assert metrics.psnr_per_frame(ref, test)[i] == pytest.approx(psnr, abs=tol)
+    assert 0.2 < got.min() < 0.99
+
+
+def test_psnr_and_ssim_need_no_scikit_image(monkeypatch):
+    # `pip install -e .` installs no scikit-image; the examples' A/B comparison must still score videos.
+    for name in ("skimage", "skimage.metrics"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import skimage...` raise ImportError
+    ref = _video(seed=5)
+    test = (ref.astype(np.int16) + 2).astype(np.uint8)
+    np.testing.assert_allclose(metrics.psnr_per_frame(ref, test), 20 * math.log10(255 / 2), atol=1e-9)
+    # A constant offset leaves variances and covariance alone; only the luminance term drops below 1.
+    ssim = metrics.ssim_per_frame(ref, test)
+    assert ((0.99 < ssim) & (ssim < 1.0)).all()
+
+
 def test_ssim_of_small_frames_shrinks_the_window_to_fit():
     ref = _video(height=5, width=6, seed=3)
     test = np.clip(ref.astype(np.int16) + 7, 0, 255).astype(np.uint8)
