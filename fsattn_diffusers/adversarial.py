@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = (
+INPUT_FAMILIES = (
     "randn",
     "peaky",
     "late_sink",
     "max_staircase",
     "underflow",
     "masked_keys",
+    "padded_keys",
     "fully_masked",
     "huge_magnitude",
 )
@@ -26,9 +27,9 @@ FAMILIES = (
 
 def make_family(name, batch, seq_q, seq_k, heads, head_dim, *, dtype=torch.bfloat16, device="cpu",
                 generator=None, kv_heads=None):
-    """Inputs of family `name` (one of :data:`FAMILIES`), drawn fresh from `generator`."""
-    if name not in FAMILIES:
-        raise ValueError(f"unknown family {name!r}; expected one of {FAMILIES}")
+    """Inputs of family `name` (one of :data:`INPUT_FAMILIES`), drawn fresh from `generator`."""
+    if name not in INPUT_FAMILIES:
+        raise ValueError(f"unknown family {name!r}; expected one of {INPUT_FAMILIES}")
     kv_heads = heads if kv_heads is None else kv_heads
     g = generator if generator is not None else torch.Generator().manual_seed(0)
 
@@ -62,6 +63,14 @@ def make_family(name, batch, seq_q, seq_k, heads, head_dim, *, dtype=torch.bfloa
         keep[:, -seq_k // 4:] = False  # a padded suffix, as HunyuanVideo's text padding
         keep[:, 0] = True
         mask = keep[:, None, None, :]
+    elif name == "padded_keys":
+        # Masked keys whose K and V look nothing like the attended ones (V around 5, K biased), so that
+        # any masked key that leaks into the K/V statistics or the output shows.
+        keep = torch.ones(batch, seq_k, dtype=torch.bool)
+        keep[:, -seq_k // 3:] = False
+        k = torch.where(keep[:, :, None, None], k, 4 * k + 8)
+        v = torch.where(keep[:, :, None, None], v, v + 5)
+        mask = keep[:, None, None, :]
     elif name == "fully_masked":
         keep = torch.ones(batch, seq_k, dtype=torch.bool)
         keep[0] = False  # every key of batch element 0 is masked: its rows return zeros
@@ -73,3 +82,17 @@ def make_family(name, batch, seq_q, seq_k, heads, head_dim, *, dtype=torch.bfloa
     if mask is not None:
         mask = mask.to(device)
     return q, k, v, mask
+
+
+# How an additive (float) mask writes "masked": diffusers' own conversion of boolean masks, the
+# dtype's most negative finite value, and LTX-Video's -10000.
+ADDITIVE_MASKED_VALUES = ("-inf", "finfo_min", "-1e4")
+
+
+def as_additive_mask(mask: torch.Tensor, masked_value: str, dtype=torch.float32) -> torch.Tensor:
+    """Boolean key mask `mask` (True = attend) as an additive float mask of `dtype`: 0 where attended,
+    `masked_value` (one of :data:`ADDITIVE_MASKED_VALUES`) where masked."""
+    values = {"-inf": float("-inf"), "finfo_min": torch.finfo(dtype).min, "-1e4": -1e4}
+    if masked_value not in values:
+        raise ValueError(f"masked_value={masked_value!r}; expected one of {ADDITIVE_MASKED_VALUES}")
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, values[masked_value])

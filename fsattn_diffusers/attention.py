@@ -16,6 +16,9 @@ logger = logging.getLogger("fsattn_diffusers")
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 128  # INT8 scores of up to 128 channels fit the exact int-to-float trick (|acc| < 2**22)
+# An additive mask value at least this far below the largest of its row masks the key: its softmax
+# weight, e**-1e4 relative to that key's, is zero in every float format.
+MASKED_BIAS_GAP = 1e4
 _logged_fallbacks: set[str] = set()
 
 
@@ -44,9 +47,11 @@ def fsattn(query, key, value, attn_mask=None, scale=None, layout="NHD", return_l
         be a multiple of ``Hkv`` (grouped-query attention). ``Sk`` may differ from ``Sq``.
     attn_mask : Tensor or None
         Boolean (True = attend) or additive float, broadcastable (SDPA's rules) to
-        ``(B, 1, 1, Sk)``: a key-padding mask. A mask that varies over queries or heads raises
-        :class:`UnsupportedInputError`. A row whose keys are all masked returns zeros (and
-        ``-inf`` log-sum-exp), where SDPA would return NaN.
+        ``(B, 1, 1, Sk)``: a key-padding mask. In a float mask, a value 1e4 or more below the
+        largest of its row (``-inf``, ``torch.finfo(dtype).min``, ``-10000``) masks that key, as a
+        boolean False does; other values are added to the scores. A mask that varies over queries
+        or heads raises :class:`UnsupportedInputError`. A row whose keys are all masked returns
+        zeros (and ``-inf`` log-sum-exp), where SDPA would return NaN.
     scale : float or None
         Softmax scale; default ``D ** -0.5``.
     layout : {"NHD", "HND"}
@@ -157,7 +162,13 @@ def _key_mask(attn_mask, bsz, heads, seq_q, seq_k, device):
     per_key = attn_mask.reshape(full[0], full[3]).expand(bsz, seq_k)
     if attn_mask.dtype == torch.bool:
         return per_key.float().contiguous(), None
-    return None, per_key.float().contiguous()
+    # An additive mask masks a key by a large negative bias (-inf, finfo.min, or LTX-Video's -1e4).
+    # Such keys must also leave the K/V statistics (means, V's FP8 scale), or a padded V coarsens
+    # every attended key's grid: they become weight-0 keys, with bias -inf so that none can set a
+    # row's max either. Finite biases stay biases.
+    bias = per_key.float()
+    masked = bias <= bias.amax(dim=1, keepdim=True) - MASKED_BIAS_GAP
+    return (~masked).float().contiguous(), bias.masked_fill(masked, float("-inf")).contiguous()
 
 
 def _sdpa_fallback(query, key, value, attn_mask, scale, layout, return_lse, reason):

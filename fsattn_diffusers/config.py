@@ -24,6 +24,13 @@ _CHOICES = {
     "kernel": ("auto", "triton", "gluon", "gluon_ws"),
 }
 _EXP_OFFLOAD_SHARES = (0.0, 0.5, 1.0)
+_FIELD_TYPES = {
+    **{name: str for name in _CHOICES},
+    "smooth_v": bool, "check_finite": bool,
+    "max_threshold": (int, float), "exp_offload": (int, float), "sdpa_below_flops": (int, float),
+    "block_m": int, "block_n": int, "num_warps": int, "num_stages": int,
+}
+_OPTIONAL_FIELDS = ("smooth_v", "block_m", "block_n", "num_warps", "num_stages")
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -42,9 +49,6 @@ class FSAttnConfig:
         One scale per block of ``block_n`` keys (a per-tile scalar in the kernel: the
         dequantisation is one FMA per score) or one per key (one more multiply per score; more
         accurate on peaky scores).
-    smooth_k : bool
-        Subtract the mean key before quantising K. Softmax is unchanged by it; the returned
-        log-sum-exp is corrected for it.
     pv_format : {"fp8_e4m3", "16bit"}
         Format of P and V in the PV GEMM. ``"fp8_e4m3"``: FP8 with one scale per V channel, the
         fast path. ``"16bit"``: P and V in bf16 (fp16 for fp16 inputs), twice the PV GEMM's
@@ -118,7 +122,6 @@ class FSAttnConfig:
     qk_format: str = "int8"
     q_granularity: str = "token"
     k_granularity: str = "token"
-    smooth_k: bool = True
     pv_format: str = "fp8_e4m3"
     smooth_v: bool | None = None
     max_policy: str = "online"
@@ -136,21 +139,17 @@ class FSAttnConfig:
     check_finite: bool = False
 
     def __post_init__(self):
+        self._check_types()
         for name, allowed in _CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"FSAttnConfig.{name}={value!r} is not supported; expected one of {allowed}")
-        for name in ("smooth_k", "check_finite"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"FSAttnConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.smooth_v not in (None, True, False):
-            raise TypeError(f"FSAttnConfig.smooth_v must be None or a bool, got {self.smooth_v!r}")
         if self.smooth_v and self.pv_format == "16bit":
             raise ValueError(
                 "FSAttnConfig: smooth_v=True with pv_format='16bit' would round the centred V back to 16 bits, "
                 "a bias shared by every output; leave smooth_v=None"
             )
-        if not 0.0 < float(self.max_threshold) <= P_LOG2_CEILING - 0.25:
+        if not 0.0 < self.max_threshold <= P_LOG2_CEILING - 0.25:
             raise ValueError(
                 f"FSAttnConfig.max_threshold={self.max_threshold!r} must lie in (0, {P_LOG2_CEILING - 0.25}] "
                 "(log2 units; P = 2**(s - max + 8.75 - threshold) must fit FP8 e4m3's 448)"
@@ -164,8 +163,7 @@ class FSAttnConfig:
                 "FSAttnConfig: rowsum='fma' sums the unquantised P, which the bit-level exponential "
                 "(exp_offload > 0) never forms; use rowsum='mma'"
             )
-        if not (isinstance(self.sdpa_below_flops, (int, float)) and self.sdpa_below_flops >= 0
-                and math.isfinite(self.sdpa_below_flops)):
+        if not (self.sdpa_below_flops >= 0 and math.isfinite(self.sdpa_below_flops)):
             raise ValueError(f"FSAttnConfig.sdpa_below_flops={self.sdpa_below_flops!r}; expected a finite number >= 0")
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
@@ -175,11 +173,26 @@ class FSAttnConfig:
             raise ValueError(f"FSAttnConfig.block_n={self.block_n!r}: the FP8 PV product needs at least 32 keys per tile")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"FSAttnConfig.num_warps={self.num_warps!r}; expected None or a power of two up to 16")
-        if self.num_stages is not None and not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
+        if self.num_stages is not None and not 1 <= self.num_stages <= 8:
             raise ValueError(f"FSAttnConfig.num_stages={self.num_stages!r}; expected None or an int in 1..8")
         # Serialised once: the custom op takes the config as a string, and torch.compile cannot
         # trace json.dumps, but it can read a constant attribute.
         object.__setattr__(self, "_json", json.dumps(dataclasses.asdict(self), sort_keys=True))
+
+    def _check_types(self):
+        """Reject values of the wrong type here, not as a TypeError deep inside a kernel launch."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = _FIELD_TYPES[f.name]
+            if value is None and f.name in _OPTIONAL_FIELDS:
+                continue
+            # bool is an int subclass: True must not pass for num_stages=1, nor 1 for check_finite=True.
+            ok = isinstance(value, expected) and (isinstance(value, bool) == (expected is bool))
+            if not ok:
+                wanted = {str: "a string", bool: "a bool", int: "an int", (int, float): "a number"}[expected]
+                if f.name in _OPTIONAL_FIELDS:
+                    wanted += " or None"
+                raise TypeError(f"FSAttnConfig.{f.name}={value!r} ({type(value).__name__}); expected {wanted}")
 
     @property
     def smooths_v(self) -> bool:

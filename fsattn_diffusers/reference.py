@@ -102,7 +102,7 @@ def _quantize_k(k, key_weight, config, block_n):
     Returns (k8 padded to whole tiles, per-key scales (B, H, S_pad), mean)."""
     bsz, heads, seq_k, dim = k.shape
     s_pad = math.ceil(seq_k / block_n) * block_n
-    k_mean = _masked_mean(k, key_weight) if config.smooth_k else torch.zeros_like(k[:, :, 0])
+    k_mean = _masked_mean(k, key_weight)
     kc = torch.where(key_weight[:, None, :, None] != 0, k - k_mean[:, :, None], 0.0)
     kc = torch.nn.functional.pad(kc, (0, 0, 0, s_pad - seq_k))
     if config.k_granularity == "token":

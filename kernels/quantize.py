@@ -208,7 +208,7 @@ def _quantize_kv_kernel(
     tl.atomic_add(v_err_ptr + stats_off, tl.sum(v_low.to(tl.float32) - v, 0), sem="relaxed")
 
 
-def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
+def kv_statistics(k, v, key_weight, smooth_v, v_fp8, d_pad):
     """Per-(batch, head, channel) K mean, V mean and V scale, fp32, padded to `d_pad` channels.
 
     `k`, `v`: (B, S, H, D) views; `key_weight`: (B, S) float of 0/1 or None. The means only
@@ -229,7 +229,7 @@ def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
         return torch.where(keep, x, 0).sum(dim=1, dtype=torch.float32) / count
 
     zeros = torch.zeros(bsz, heads, dim, dtype=torch.float32, device=dev)
-    k_mean = mean(k) if smooth_k else zeros
+    k_mean = mean(k)
     v_mean = mean(v) if (smooth_v and v_fp8) else zeros
     if v_fp8:
         if keep is None:
@@ -251,7 +251,7 @@ def kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad):
     return pad(k_mean), pad(v_mean), pad(v_scale, 1.0)
 
 
-def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smooth_k=True, smooth_v=True,
+def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smooth_v=True,
                 v_dtype=torch.float8_e4m3fn, pv_key_order="natural") -> QuantizedKV:
     """Quantise K to INT8 and pack V (FP8 with per-channel scales, or 16-bit) for the forward kernel.
 
@@ -279,7 +279,7 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     s_pad = n_tiles * block_n
     dev = k.device
     v_fp8 = v_dtype == torch.float8_e4m3fn
-    k_mean, v_mean, v_scale = kv_statistics(k, v, key_weight, smooth_k, smooth_v, v_fp8, d_pad)
+    k_mean, v_mean, v_scale = kv_statistics(k, v, key_weight, smooth_v, v_fp8, d_pad)
     v_inv_scale = 1.0 / v_scale
 
     k_q = torch.empty(bsz, heads, s_pad, d_pad, dtype=torch.int8, device=dev)

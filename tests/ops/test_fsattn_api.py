@@ -97,6 +97,46 @@ def test_config_validation(bad):
         FSAttnConfig(**bad)
 
 
+@pytest.mark.parametrize("field,value", [("block_m", 64.0), ("block_n", "128"), ("max_threshold", "3"),
+                                         ("max_threshold", None), ("exp_offload", "1"), ("exp_offload", True),
+                                         ("num_stages", True), ("num_warps", 4.0), ("sdpa_below_flops", True),
+                                         ("check_finite", 1), ("smooth_v", "yes"), ("kernel", 3)])
+def test_config_rejects_wrong_types_at_construction(field, value):
+    with pytest.raises(TypeError, match=rf"FSAttnConfig\.{field}="):
+        FSAttnConfig(**{field: value})
+
+
+def test_config_has_no_unsmoothed_k_option():
+    # Without the K mean subtracted, masked and tile-padding keys (zeros) could set the row max and
+    # zero every output; the option is gone rather than wrong.
+    with pytest.raises(TypeError, match="smooth_k"):
+        FSAttnConfig(smooth_k=False)
+
+
+@pytest.mark.parametrize("masked_value", ["-inf", "finfo_min", "-1e4"])
+def test_additive_masks_mask_keys_as_bool_masks_do(masked_value):
+    from fsattn_diffusers.adversarial import as_additive_mask, make_family
+
+    q, k, v, mask = make_family("padded_keys", 2, 300, 700, 2, 64, dtype=torch.float32,
+                                generator=torch.Generator().manual_seed(4))
+    ref, _ = attention_reference(q, k, v, mask)
+    err_bool = rel_l1(fsattn(q, k, v, attn_mask=mask), ref)
+    out = fsattn(q, k, v, attn_mask=as_additive_mask(mask, masked_value))
+    assert rel_l1(out, ref) <= 1.05 * err_bool, (rel_l1(out, ref), err_bool)
+
+
+def test_finite_additive_biases_stay_biases():
+    # A bias that is large but finite relative to its row (the underflow family's -1000 everywhere)
+    # masks nothing; only keys 1e4 below the row's largest value are dropped.
+    q, k, v = _qkv(s=64)
+    bias = torch.linspace(-8.0, 8.0, 64).reshape(1, 1, 1, 64) - 1000.0
+    ref, _ = attention_reference(q, k, v, bias)
+    out = fsattn(q, k, v, attn_mask=bias)
+    assert cosine(out, ref) > 0.999
+    # Same values, all shifted by one constant: softmax does not move.
+    assert rel_l1(fsattn(q, k, v, attn_mask=bias + 900.0), out) < 1e-4
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_dtypes_and_layouts_round_trip(dtype, layout):
