@@ -37,7 +37,10 @@ logger = logging.getLogger("fsattn_diffusers")
 BACKEND_NAME = "fsattn"
 
 _register_lock = threading.Lock()
-_backend_options = {"config": None, "strict": False}  # what set_attention_backend("fsattn") runs with
+# What set_attention_backend("fsattn") runs with, and the process-wide active backend that
+# registration found (diffusers' set_attention_backend also makes its backend the process-wide one,
+# which its reset_attention_backend does not undo: remove_fsattn puts this one back).
+_backend_options = {"config": None, "strict": False, "active_before": None}
 _logged: set[tuple[str, str]] = set()
 
 
@@ -463,6 +466,8 @@ def register_fsattn_backend(*, config: FSAttnConfig | None = None, strict: bool 
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     with _register_lock:
+        if _backend_options["active_before"] is None:
+            _backend_options["active_before"] = _AttentionBackendRegistry._active_backend
         member = add_enum_member(AttentionBackendName, BACKEND_NAME)
         registered = _AttentionBackendRegistry._backends.get(member)
         if registered is not None and not getattr(registered, "_fsattn_diffusers_backend", False):
@@ -476,4 +481,31 @@ def register_fsattn_backend(*, config: FSAttnConfig | None = None, strict: bool 
     return member
 
 
-__all__ = ["BACKEND_NAME", "attention_or_fallback", "context_parallel_attention", "register_fsattn_backend"]
+def reset_fsattn_backend(model) -> bool:
+    """Undo ``model.set_attention_backend("fsattn")`` for `model` and for the process.
+
+    The processors of `model` that name the ``"fsattn"`` backend go back to none (the process-wide
+    default), and if the process-wide active backend is ``"fsattn"`` it goes back to the one that
+    was active when :func:`register_fsattn_backend` first ran. Returns whether anything changed.
+    Harmless where the backend was never registered.
+    """
+    if _backend_options["active_before"] is None:
+        return False  # never registered: neither the model nor the process can name it
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    changed = False
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if getattr(processor, "_attention_backend", None) == BACKEND_NAME:
+            processor._attention_backend = None
+            changed = True
+    if _AttentionBackendRegistry._active_backend == BACKEND_NAME:
+        previous = _backend_options["active_before"]
+        _AttentionBackendRegistry.set_active_backend(
+            previous if previous != BACKEND_NAME else AttentionBackendName.NATIVE)
+        changed = True
+    return changed
+
+
+__all__ = ["BACKEND_NAME", "attention_or_fallback", "context_parallel_attention", "register_fsattn_backend",
+           "reset_fsattn_backend"]

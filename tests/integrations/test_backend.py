@@ -266,3 +266,43 @@ def test_small_calls_run_the_original_attention_counted_not_warned_even_when_str
     assert torch.equal(big_enough, fsattn(q, k, v))
     assert fsattn_diffusers.stats()["sdpa_fallbacks"] == {"small_problem": 1}
     assert calls == [flops * 2, flops / 2]
+
+
+def test_remove_fsattn_leaves_the_process_as_it_found_it(backend):
+    # diffusers' set_attention_backend also makes "fsattn" the process-wide backend, which its
+    # reset_attention_backend leaves in place: every model without a backend of its own ran fsattn.
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    from fsattn_diffusers import remove_fsattn
+
+    from .conftest import emulation_calls
+
+    model, inputs = BUILDERS["wan_t2v"]()
+    reference = run(model, inputs)
+    before = _AttentionBackendRegistry._active_backend
+    model.set_attention_backend("fsattn")
+    model.reset_attention_backend()
+    remove_fsattn(model)
+    assert _AttentionBackendRegistry._active_backend == before
+    fresh, fresh_inputs = BUILDERS["wan_t2v"]()
+    calls = emulation_calls()
+    assert torch.equal(run(model, inputs), reference)
+    run(fresh, fresh_inputs)
+    assert emulation_calls() == calls, "a model fsattn was removed from, or a new one, still ran fsattn"
+
+
+def test_remove_fsattn_undoes_a_model_backend_set_without_reset(backend):
+    from fsattn_diffusers import remove_fsattn
+
+    from .conftest import emulation_calls
+
+    model, inputs = BUILDERS["wan_t2v"]()
+    reference = run(model, inputs)
+    model.set_attention_backend("fsattn")
+    calls = emulation_calls()
+    run(model, inputs)
+    assert emulation_calls() > calls  # the backend was on
+    remove_fsattn(model)
+    calls = emulation_calls()
+    assert torch.equal(run(model, inputs), reference)
+    assert emulation_calls() == calls
