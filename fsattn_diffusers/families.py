@@ -52,6 +52,9 @@ class Family:
         For modules of diffusers' generic ``Attention``/``MochiAttention`` classes, which carry no
         default processor of their own: ``(module path prefix, "module:Class")`` pairs; the
         longest matching prefix wins.
+    fused_processors : tuple of (str, str)
+        ``("module:Class", "module:FusedClass")``: the processor the model's
+        ``fuse_qkv_projections()`` installs in place of a generic module's own processor.
     has_set_attn_processor : bool
         Whether the model has ``set_attn_processor`` (Mochi's has not).
     """
@@ -61,6 +64,7 @@ class Family:
     block_lists: tuple[str, ...]
     cross_attention: tuple[str, ...] = ()
     generic_processors: tuple[tuple[str, str], ...] = ()
+    fused_processors: tuple[tuple[str, str], ...] = ()
     has_set_attn_processor: bool = True
 
 
@@ -82,6 +86,7 @@ FAMILIES = (
     Family(
         "cogvideox", ("CogVideoXTransformer3DModel",), ("transformer_blocks",),
         generic_processors=(("", f"{_AP}:CogVideoXAttnProcessor2_0"),),
+        fused_processors=((f"{_AP}:CogVideoXAttnProcessor2_0", f"{_AP}:FusedCogVideoXAttnProcessor2_0"),),
     ),
     Family("ltx_video", ("LTXVideoTransformer3DModel",), ("transformer_blocks",), cross_attention=("attn2",)),
     Family(
@@ -166,6 +171,22 @@ def own_processor_class(path: str, module, model):
         if path.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
             best = (prefix, target)
     return None if best is None else load_class(best[1])
+
+
+def generic_processor_classes() -> list[type]:
+    """Every processor class the table gives generic attention modules, fused variants included."""
+    targets = [t for f in FAMILIES for _, t in f.generic_processors]
+    targets += [t for f in FAMILIES for pair in f.fused_processors for t in pair]
+    return [load_class(t) for t in dict.fromkeys(targets)]
+
+
+def fused_processor_class(own_cls, model):
+    """The processor that `model`'s ``fuse_qkv_projections()`` installs instead of `own_cls`, or None."""
+    family = family_of(model)
+    for plain, fused in family.fused_processors if family is not None else ():
+        if load_class(plain) is own_cls:
+            return load_class(fused)
+    return None
 
 
 def load_class(target: str):

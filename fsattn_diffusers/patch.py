@@ -21,6 +21,7 @@ import torch
 
 from . import families
 from .config import FSAttnConfig
+from .diffusers_backend import reset_fsattn_backend
 from .processor import AttentionRoute, FSAttnProcessor, bind, record_own_processor_classes
 
 logger = logging.getLogger("fsattn_diffusers")
@@ -57,12 +58,44 @@ class DenoisingSteps:
 
 
 class _ModelPatch:
-    """What apply_fsattn changed on one model: ``(module, original processor)`` pairs."""
+    """What apply_fsattn changed on one model: each patched module's processor to restore, and the
+    routes its bound processors use."""
 
-    def __init__(self, options: dict):
+    def __init__(self, options: dict, steps):
         self.options = options
-        self.originals: list[tuple[torch.nn.Module, object]] = []
-        self.routes: list[AttentionRoute] = []
+        self.steps = steps
+        self.originals: dict[torch.nn.Module, object] = {}
+        self.routes: dict[tuple, AttentionRoute] = {}
+
+    def route(self, module, processor, kind: str) -> AttentionRoute:
+        key = (type(module), type(processor), kind)
+        route = self.routes.get(key)
+        if route is None:
+            route = AttentionRoute(f"{type(module).__name__} {kind} ({type(processor).__name__})",
+                                   config=self.options["config"], strict=self.options["strict"], gate=self.steps)
+            self.routes[key] = route
+        return route
+
+
+class _RebindingSetProcessor:
+    """A patched module's ``set_processor``: a processor set while fsattn is applied is bound to
+    fsattn too, so that ``fuse_qkv_projections()`` (which installs fused processors, CogVideoX) and
+    ``unfuse_qkv_projections()`` keep fsattn on; :func:`remove_fsattn` restores the last one set."""
+
+    def __init__(self, module, patch: _ModelPatch, kind: str):
+        self.module, self.patch, self.kind = module, patch, kind
+
+    def __call__(self, processor) -> None:
+        module = self.module
+        if getattr(type(processor), "fsattn_route", None) is None:
+            self.patch.originals[module] = processor
+            bound = bind(processor, self.patch.route(module, processor, self.kind))
+            if bound is None:
+                logger.warning("fsattn: %s at %s reaches attention in a way fsattn cannot swap; it runs without "
+                               "fsattn", type(processor).__name__, type(module).__name__)
+            else:
+                processor = bound
+        type(module).set_processor(module, processor)
 
 
 def _set_processor(module, processor) -> None:
@@ -141,7 +174,8 @@ def apply_fsattn(pipe_or_model, *, config: FSAttnConfig | None = None, skip_firs
     strict : bool
         Raise :class:`~fsattn_diffusers.UnsupportedInputError` on a call fsattn cannot take,
         instead of running it on the original attention (logged once per reason, counted in
-        :func:`~fsattn_diffusers.stats`).
+        :func:`~fsattn_diffusers.stats`); and raise ``ValueError`` for a model with no attention
+        modules (a VAE, a plain module), which otherwise only logs a warning.
 
     Returns
     -------
@@ -156,6 +190,14 @@ def apply_fsattn(pipe_or_model, *, config: FSAttnConfig | None = None, skip_firs
                 f"apply_fsattn: skip_first_steps={skip_first_steps}, skip_last_steps={skip_last_steps} count denoising "
                 f"steps, which only a pipeline's scheduler knows; got {type(pipe_or_model).__name__}. Pass the pipeline, "
                 "or leave both at 0")
+    for name, model in targets:
+        if not families.attention_modules(model):
+            detail = (f"apply_fsattn: {name} ({type(model).__name__}) has no attention module that diffusers knows "
+                      "(Attention, MochiAttention or an AttentionModuleMixin); nothing of it runs on fsattn. Pass the "
+                      "pipeline or its transformer")
+            if strict:
+                raise ValueError(detail)
+            logger.warning("%s", detail)
     for _, model in targets:
         n_blocks = families.count_blocks(model)
         bad = sorted(i for i in skip_set if not 0 <= i < n_blocks)
@@ -173,8 +215,7 @@ def apply_fsattn(pipe_or_model, *, config: FSAttnConfig | None = None, skip_firs
 
 
 def _patch_model(model, options, steps) -> None:
-    patch = _ModelPatch(options)
-    routes: dict[tuple, AttentionRoute] = {}
+    patch = _ModelPatch(options, steps)
     kept: dict[str, str] = {}  # what keeps its original attention, and why -> an example path
     planned = []
     for path, module in families.attention_modules(model):
@@ -190,12 +231,7 @@ def _patch_model(model, options, steps) -> None:
             kept.setdefault(f"{where} ({keep_reason})", path)
             continue
         original = module.processor
-        route = routes.get((type(module), type(original), kind))
-        if route is None:
-            route = AttentionRoute(f"{where} ({type(original).__name__})", config=options["config"],
-                                   strict=options["strict"], gate=steps)
-            routes[(type(module), type(original), kind)] = route
-        bound = bind(original, route)
+        bound = bind(original, patch.route(module, original, kind))
         if bound is None:
             detail = (f"{type(original).__qualname__} reaches attention neither through dispatch_attention_fn nor through "
                       "F.scaled_dot_product_attention")
@@ -203,12 +239,13 @@ def _patch_model(model, options, steps) -> None:
                 raise RuntimeError(f"apply_fsattn: {path}: {detail}; strict=True forbids keeping the original")
             kept.setdefault(f"{where} (processor not swappable: {detail})", path)
             continue
-        planned.append((module, original, bound))
+        planned.append((module, original, bound, kind))
     # Nothing is changed until every module has been planned, so an error above leaves the model as it was.
-    for module, original, bound in planned:
+    for module, original, bound, kind in planned:
         _set_processor(module, bound)
-        patch.originals.append((module, original))
-    patch.routes = list(routes.values())
+        patch.originals[module] = original
+        if hasattr(type(module), "set_processor"):
+            module.__dict__["set_processor"] = _RebindingSetProcessor(module, patch, kind)
     setattr(model, _PATCH_ATTR, patch)
     kept_text = "; ".join(f"{what}, e.g. {path}" for what, path in kept.items())
     logger.info("fsattn: %s: %d attention modules run on fsattn%s", type(model).__name__, len(patch.originals),
@@ -216,23 +253,30 @@ def _patch_model(model, options, steps) -> None:
 
 
 def remove_fsattn(pipe_or_model):
-    """Undo :func:`apply_fsattn`: put back the very processors it replaced and unhook the scheduler.
+    """Undo every way fsattn was switched on for `pipe_or_model`; harmless where it was not.
 
-    Modules running a shared :class:`~fsattn_diffusers.FSAttnProcessor` (set with
-    ``set_attn_processor``) get a fresh instance of the processor diffusers gives them. Harmless
-    on anything not patched. Returns `pipe_or_model`.
+    * :func:`apply_fsattn`: the very processors it replaced are put back, the scheduler unhooked.
+    * ``set_attn_processor(FSAttnProcessor())``: those modules get a fresh instance of the
+      processor diffusers gives them.
+    * ``set_attention_backend("fsattn")``: the model's processors name no backend again, and the
+      process-wide active backend, which diffusers' ``set_attention_backend`` also sets and its
+      ``reset_attention_backend`` leaves, goes back to the one active before fsattn registered.
+
+    Returns `pipe_or_model`.
     """
     for _, model in _transformers(pipe_or_model):
+        reset_fsattn_backend(model)
         patch = model.__dict__.pop(_PATCH_ATTR, None)
         if patch is not None:
-            for module, original in patch.originals:
+            for module, original in patch.originals.items():
+                module.__dict__.pop("set_processor", None)
                 # enable_parallelism() after apply_fsattn set the model's parallel config on the bound
                 # copies only; without it the original would attend over this rank's tokens alone.
                 parallel = getattr(module.processor, "_parallel_config", None)
                 if parallel is not None and hasattr(original, "_parallel_config"):
                     original._parallel_config = parallel
                 _set_processor(module, original)
-            for route in patch.routes:
+            for route in patch.routes.values():
                 route.release()
         _remove_shared_processors(model)
     if _is_pipeline(pipe_or_model) and getattr(pipe_or_model, "scheduler", None) is not None:
@@ -250,6 +294,9 @@ def _remove_shared_processors(model) -> None:
         if own_cls is None:
             raise RuntimeError(f"remove_fsattn: {path} runs an FSAttnProcessor and fsattn cannot tell which processor "
                                f"diffusers gives it; set one with set_attn_processor")
+        fused_cls = families.fused_processor_class(own_cls, model)
+        if fused_cls is not None and getattr(module, "fused_projections", False):
+            own_cls = fused_cls
         _set_processor(module, own_cls())
 
 

@@ -232,10 +232,11 @@ class FSAttnProcessor:
     The one-liner replaces the processors before fsattn sees them, so for modules of diffusers'
     generic ``Attention`` class (HunyuanVideo, CogVideoX) the processor diffusers gives them comes
     from :mod:`fsattn_diffusers.families`, found on the module's first call by looking up the
-    calling model on the call stack. That lookup cannot run inside torch.compile's tracing: with
-    ``fullgraph=True`` on such models, run one eager forward first, or use
-    :func:`~fsattn_diffusers.apply_fsattn`, which also keeps each module's processor state and can
-    be undone exactly.
+    calling model on the call stack (under torch.compile, once while tracing). Fused QKV
+    projections (``fuse_qkv_projections()``) must come first: fusing afterwards installs
+    diffusers' fused processors in place of this one, and attention leaves fsattn (CogVideoX).
+    :func:`~fsattn_diffusers.apply_fsattn` keeps fsattn on through fusing, keeps each module's
+    processor state, and can be undone exactly.
     """
 
     def __init__(self, config: FSAttnConfig | None = None, strict: bool = False):
@@ -261,9 +262,13 @@ class FSAttnProcessor:
         return bound(attn, *args, **kwargs)
 
     def _bound_for(self, attn):
-        own_cls = getattr(type(attn), "_default_processor_cls", None) or getattr(attn, OWN_PROCESSOR_ATTR, None)
+        own_cls = getattr(type(attn), "_default_processor_cls", None)
         if own_cls is None:
-            own_cls = _own_processor_class_from_calling_model(attn)
+            own = getattr(attn, OWN_PROCESSOR_ATTR, None)
+            if own is None:
+                own = _own_processor_classes_from_calling_model(attn)
+            # fuse_qkv_projections() swaps a generic module's processor for its fused variant.
+            own_cls = own[1] if own[1] is not None and getattr(attn, "fused_projections", False) else own[0]
         entry = self._bound.get((type(attn), own_cls, attention_kind(attn)))
         if entry is None:
             entry = self._build(type(attn), own_cls, attention_kind(attn))
@@ -287,8 +292,19 @@ class FSAttnProcessor:
         return entry
 
     def _prebuild(self):
-        """Build the bound processors of the attention classes loaded now, so that torch.compile finds them."""
+        """Build the bound processors of the attention classes loaded now, and of the generic modules'
+        processors in the families table, so that torch.compile finds them built (it cannot trace
+        building one)."""
         from diffusers.models.attention import AttentionModuleMixin
+        from diffusers.models.attention_processor import Attention, MochiAttention
+
+        for own_cls in families.generic_processor_classes():
+            for module_cls in (Attention, MochiAttention):
+                for kind in ("attention", "cross-attention"):
+                    try:
+                        self._build(module_cls, own_cls, kind)
+                    except Exception:  # noqa: BLE001 - best effort: _build raises again, in context, on a real call
+                        pass
 
         pending = [AttentionModuleMixin]
         while pending:
@@ -303,17 +319,13 @@ class FSAttnProcessor:
                         pass
 
 
-def _not_traced(reason):
-    """``torch.compiler.disable``, with the reason Dynamo shows where this torch takes one."""
-    if "reason" in inspect.signature(torch.compiler.disable).parameters:
-        return torch.compiler.disable(reason=reason)
-    return torch.compiler.disable
-
-
-@_not_traced("FSAttnProcessor looks up the calling model on the call stack, which torch.compile cannot trace: "
-             "run one eager forward before compiling with fullgraph=True, or use apply_fsattn(model)")
-def _own_processor_class_from_calling_model(attn):
-    """The processor diffusers gives `attn`, for modules that do not name it themselves.
+# torch.compile runs this once per call site while tracing and keeps the answer as a constant (a
+# module's processor class does not change while it is compiled), so fullgraph=True works without
+# an eager forward first.
+@torch.compiler.assume_constant_result
+def _own_processor_classes_from_calling_model(attn):
+    """``(processor, fused processor or None)`` classes diffusers gives `attn`, for modules that do
+    not name them themselves.
 
     Finds the model running `attn` on the call stack (the nearest ``ModelMixin``), records the
     family table's answer on each of that model's generic attention modules, and returns the one
@@ -328,14 +340,14 @@ def _own_processor_class_from_calling_model(attn):
             modules = families.attention_modules(owner)
             if any(module is attn for _, module in modules):
                 record_own_processor_classes(owner)
-                own_cls = getattr(attn, OWN_PROCESSOR_ATTR, None)
-                if own_cls is None:
+                own = getattr(attn, OWN_PROCESSOR_ATTR, None)
+                if own is None:
                     raise RuntimeError(
                         f"FSAttnProcessor: {type(attn).__name__} modules of {type(owner).__name__} carry no default "
                         "processor and the families table (fsattn_diffusers/families.py) does not say which one "
                         f"{type(owner).__name__} installs, so fsattn cannot run them. Use apply_fsattn(model) instead: "
                         "it keeps each module's own processor.")
-                return own_cls
+                return own
         frame = frame.f_back
     raise RuntimeError(
         f"FSAttnProcessor: called on a {type(attn).__name__} module outside a diffusers model's forward, so it cannot "
@@ -343,12 +355,13 @@ def _own_processor_class_from_calling_model(attn):
 
 
 def record_own_processor_classes(model) -> None:
-    """Record, on each generic attention module of `model`, the processor class diffusers gives it."""
+    """Record, on each generic attention module of `model`, the processor classes diffusers gives it
+    (its own, and the fused variant ``fuse_qkv_projections()`` installs, or None)."""
     for path, module in families.attention_modules(model):
         if getattr(type(module), "_default_processor_cls", None) is None:
             own_cls = families.own_processor_class(path, module, model)
             if own_cls is not None:
-                setattr(module, OWN_PROCESSOR_ATTR, own_cls)
+                setattr(module, OWN_PROCESSOR_ATTR, (own_cls, families.fused_processor_class(own_cls, model)))
 
 
 def _call_signature():

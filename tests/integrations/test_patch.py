@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -216,3 +218,41 @@ def test_strict_apply_raises_on_a_call_fsattn_cannot_take():
     apply_fsattn(model, strict=True, self_attention_only=True)
     run(model, inputs)
     assert emulation_calls() == 2 + 1  # block 0's self-attention ran before the refusal, then both blocks'
+
+
+def test_a_model_without_attention_modules_warns_and_strict_raises(caplog):
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[False])
+    for target in (vae, torch.nn.Linear(4, 4)):
+        with caplog.at_level(logging.WARNING, logger="fsattn_diffusers"):
+            caplog.clear()
+            assert apply_fsattn(target) is target
+        assert "has no attention module that diffusers knows" in caplog.text
+        with pytest.raises(ValueError, match="no attention module"):
+            apply_fsattn(target, strict=True)
+
+
+@pytest.mark.parametrize("family", ["cogvideox", "wan_t2v"])
+def test_fused_qkv_projections_keep_fsattn_on(family):
+    # CogVideoX's fuse_qkv_projections() installs diffusers' fused processors over whatever was set:
+    # fsattn must stay on through it (and through unfusing), and removal must undo both.
+    model, inputs = BUILDERS[family]()
+    make_peaky(model)
+    reference = run(model, inputs)
+    apply_fsattn(model)
+    patched = run(model, inputs)
+    model.fuse_qkv_projections()
+    calls = emulation_calls()
+    fused = run(model, inputs)
+    n_calls = emulation_calls() - calls
+    assert n_calls > 0 and n_calls == calls, "attention left fsattn after fuse_qkv_projections()"
+    assert cosine(fused, patched) > 0.9999
+    model.unfuse_qkv_projections()
+    calls = emulation_calls()
+    run(model, inputs)
+    assert emulation_calls() - calls == n_calls
+    remove_fsattn(model)
+    assert all(not getattr(type(p), "fsattn_route", None) for p in _processors(model).values())
+    assert "set_processor" not in vars(next(m for _, m in attention_modules(model)))
+    assert torch.equal(run(model, inputs), reference)

@@ -15,7 +15,7 @@ import fsattn_diffusers
 from fsattn_diffusers import FSAttnProcessor, UnsupportedInputError, apply_fsattn, remove_fsattn
 from fsattn_diffusers.families import PROCESSOR_KEYWORDS, attention_modules
 
-from .conftest import BUILDERS, emulation_calls, make_peaky, run
+from .conftest import BUILDERS, cosine, emulation_calls, make_peaky, run
 
 ONE_LINER_FAMILIES = ["wan_t2v", "wan_i2v", "hunyuan_video", "cogvideox", "ltx_video"]  # Mochi has no set_attn_processor
 
@@ -210,5 +210,24 @@ def test_generic_attention_modules_bind_to_the_processor_their_block_installs():
     model.set_attn_processor(FSAttnProcessor())
     run(model, inputs)
     recorded = {path: getattr(module, OWN_PROCESSOR_ATTR) for path, module in attention_modules(model)}
-    assert recorded == originals
-    assert {cls.__name__ for cls in recorded.values()} == {"AttnProcessor2_0", "HunyuanVideoAttnProcessor2_0"}
+    assert {path: own for path, (own, _) in recorded.items()} == originals
+    assert {own.__name__ for own, _ in recorded.values()} == {"AttnProcessor2_0", "HunyuanVideoAttnProcessor2_0"}
+    assert all(fused is None for _, fused in recorded.values())  # HunyuanVideo's own processors fuse nothing
+
+
+def test_generic_modules_fused_before_the_one_liner_run_the_fused_processor_on_fsattn():
+    # CogVideoX's fuse_qkv_projections() installs FusedCogVideoXAttnProcessor2_0: the one-liner must
+    # run that one (one QKV GEMM), not the unfused processor, and still on fsattn.
+    model, inputs = BUILDERS["cogvideox"]()
+    reference = run(model, inputs)
+    model.fuse_qkv_projections()
+    model.set_attn_processor(FSAttnProcessor())
+    attn = model.transformer_blocks[0].attn1
+    projections = {"to_qkv": 0, "to_q": 0}
+    for name in projections:
+        getattr(attn, name).register_forward_hook(lambda *_, name=name: projections.__setitem__(name, projections[name] + 1))
+    calls = emulation_calls()
+    out = run(model, inputs)
+    assert emulation_calls() > calls
+    assert projections == {"to_qkv": 1, "to_q": 0}
+    assert cosine(out, reference) > 0.999
