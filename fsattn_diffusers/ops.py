@@ -80,7 +80,7 @@ def _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, out, lse):
 
     def quantized(pv_key_order, block_n=launch.block_n):
         return quantize_kv(k, v, key_weight, block_n=block_n, d_pad=_padded_dim(q.shape[-1]),
-                           k_per_token=cfg.k_granularity == "token", smooth_k=cfg.smooth_k,
+                           k_per_token=cfg.k_granularity == "token",
                            smooth_v=cfg.smooths_v, v_dtype=pv_dtype(cfg, q.dtype), pv_key_order=pv_key_order)
 
     if not uses_frozen_max(cfg, -(-k.shape[1] // launch.block_n)):
@@ -203,7 +203,13 @@ def attention_op(
     lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=query.device)
     launch = launch_config(cfg, q.device, head_dim)
     q_tiles = bsz * heads * -(-seq_q // launch.block_m)
-    if q.device.type == "cuda" or CPU_PATH == "interpreter":
+    if q.device.type == "cuda":
+        # Triton launches on the current device; a model on cuda:1 (device_map, multi-GPU pipelines)
+        # may run while cuda:0 is current.
+        with torch.cuda.device(q.device):
+            _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, _as_bshd(out, layout), lse)
+        stats.record_call("kernel", q_tiles)
+    elif CPU_PATH == "interpreter":
         _run_kernels(q, k, v, key_weight, key_bias, scale, cfg, launch, _as_bshd(out, layout), lse)
         stats.record_call("kernel", q_tiles)
     else:

@@ -61,3 +61,18 @@ def test_ring_merge_on_the_kernels_is_as_close_to_exact_as_one_gpu(tmp_path):
     assert all(s["fallback_q_tiles"] > 0 for s in run["late_sink_stats"])  # the speculation was tested
     wrong_cos_err, _ = _error(run["ramp_ring_log2_lse"], run["ramp_reference"])
     assert wrong_cos_err > 1.5 * _error(run["ramp_single"], run["ramp_reference"])[0]
+
+
+def test_kernels_run_on_the_tensors_device_not_the_current_one():
+    # A transformer on cuda:1 while cuda:0 is current (diffusers' device_map, multi-GPU pipelines).
+    from fsattn_diffusers import fsattn
+    from fsattn_diffusers.reference import attention_reference
+
+    gen = torch.Generator(device="cuda:1").manual_seed(3)
+    q, k, v = (torch.randn(1, 2048, 4, 128, device="cuda:1", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    with torch.cuda.device(0):
+        out = fsattn(q, k, v)
+        torch.cuda.synchronize(1)
+    assert out.device == q.device
+    ref, _ = attention_reference(q, k, v)
+    assert cosine_similarity(out, ref) > 0.999
