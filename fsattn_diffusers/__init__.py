@@ -17,6 +17,10 @@ _LAZY = {
     "apply_fsattn": "patch",
     "remove_fsattn": "patch",
     "register_fsattn_backend": "diffusers_backend",
+    "apply_recipe": "recipe",
+    "remove_recipe": "recipe",
+    "recipe_summary": "recipe",
+    "fp8_linear_names": "recipe",
 }
 
 
@@ -35,9 +39,13 @@ __all__ = [
     "FSAttnProcessor",
     "UnsupportedInputError",
     "apply_fsattn",
+    "apply_recipe",
+    "fp8_linear_names",
     "fsattn",
+    "recipe_summary",
     "register_fsattn_backend",
     "remove_fsattn",
+    "remove_recipe",
     "reset_stats",
     "stats",
 ]
