@@ -4,15 +4,23 @@
     python examples/ab_compare.py                                  # tiny: SDPA vs fsattn, on the CPU
     python examples/ab_compare.py --candidate-config '{"pv_format": "16bit"}' --attention-report
     python examples/ab_compare.py --model wan2.1-t2v-1.3b --steps 10   # on a GPU: the speed-up
+    python examples/ab_compare.py --model wan2.1-t2v-1.3b --steps 10 --recipe   # diffusers' default vs the recipe
 
 Each side is ``sdpa`` or ``fsattn`` with its own FSAttnConfig (JSON), so two fsattn
-configurations can be compared too. Written to ``--output-dir``:
+configurations can be compared too. The recipe's parts (``fsattn_diffusers.apply_recipe``):
+``--compile`` compiles both sides; ``--fuse-qkv`` and ``--fp8-linear`` go to the candidate only
+(FP8 replaces the weights, so the candidate runs second); ``--recipe`` makes the candidate fsattn
+with every part, against the baseline as diffusers runs it. Written to ``--output-dir``:
 
 * ``side_by_side.mp4``: baseline | candidate | |candidate - baseline| x ``--diff-gain``;
-* ``metrics.png``: per-frame PSNR, SSIM (and LPIPS where its weights are on disk);
+* ``metrics.png``: per-frame PSNR, SSIM (and LPIPS where its weights are on disk), where
+  matplotlib is installed (otherwise one line says so, and everything else is written);
 * ``report.json``: settings, timings, speed-up, per-frame metrics, latent error, and with
   ``--attention-report`` the per-layer error of fsattn (and of SDPA, as a yardstick) against the
   float64 reference, on q, k, v captured from chosen layers and steps of the baseline trajectory.
+
+PSNR and SSIM are fsattn_diffusers.metrics' own (NumPy), so ``pip install -e .`` is enough. What
+the comparison needs after both runs (a video writer, FP8 support) is checked before the first.
 """
 
 from __future__ import annotations
@@ -61,6 +69,15 @@ def side_by_side(baseline: np.ndarray, candidate: np.ndarray, gain: float) -> np
     diff = np.abs(candidate.astype(np.int16) - baseline.astype(np.int16)).astype(np.float32) * gain
     diff = np.clip(diff, 0, 255).astype(np.uint8)
     return np.concatenate([baseline, candidate, diff], axis=2)
+
+
+def plot_unavailable() -> str | None:
+    """Why metrics.png cannot be drawn (one line, with the install command), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "matplotlib is not installed, so metrics.png is not written (pip install matplotlib); the rest is"
+    return None
 
 
 def plot_metrics(comparison: dict, path: str, title: str) -> str:
@@ -266,6 +283,8 @@ def print_table(report: dict) -> None:
         print("NOTE: " + report["timing_note"])
     if report["note"]:
         print("NOTE: " + report["note"])
+    if report.get("plot_note"):
+        print("note: " + report["plot_note"])
     for key, path in report["outputs"].items():
         print(f"{key}: {path}")
 
@@ -276,12 +295,20 @@ def _fallbacks(stats: dict) -> str:
     return f"{stats['fallback_q_tiles']} of {stats['q_tiles']} q tiles"
 
 
+def side_parts(args) -> dict:
+    """Each side's recipe parts: --compile for both, the rest for the candidate (--recipe: all of them)."""
+    everything = gv.recipe_parts(args)
+    baseline = gv.RecipeParts(compile=args.compile, dynamic=everything.dynamic,
+                              compile_backend=everything.compile_backend)
+    return {"baseline": baseline, "candidate": everything}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gv.add_model_args(parser)
     parser.add_argument("--baseline", choices=("sdpa", "fsattn"), default="sdpa")
-    parser.add_argument("--candidate", choices=("sdpa", "fsattn"), default="fsattn")
+    parser.add_argument("--candidate", choices=("sdpa", "fsattn"), default=None, help="fsattn (default) or sdpa")
     parser.add_argument("--baseline-config", default=None, help="FSAttnConfig JSON for a fsattn baseline")
     parser.add_argument("--candidate-config", default=None, help="FSAttnConfig JSON for a fsattn candidate")
     gv.add_fsattn_args(parser)
@@ -296,10 +323,23 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.fsattn_config:
         raise SystemExit("ab_compare takes --baseline-config / --candidate-config, not --fsattn-config")
+    if args.recipe and args.candidate == "sdpa":
+        raise SystemExit("--recipe makes the candidate fsattn with every part; it cannot be combined with "
+                         "--candidate sdpa (use --fuse-qkv --fp8-linear --compile for the parts on diffusers' "
+                         "attention)")
+    args.candidate = args.candidate or "fsattn"
+    parts = side_parts(args)
 
     device, dtype = gv.resolve_device_dtype(args.device, args.dtype)
     configs = {"baseline": gv.parse_fsattn_config(args.baseline_config),
                "candidate": gv.parse_fsattn_config(args.candidate_config)}
+    # Everything the comparison needs after the two runs is checked before the first.
+    gv.check_recipe_parts(parts["candidate"], device, dtype)
+    if not args.no_decode:
+        gv.check_video_writer()
+    no_plot = plot_unavailable()
+    if no_plot:
+        print("note: " + no_plot, file=sys.stderr)
     loaded = gv.load_model(args.model, device, dtype, cpu_offload=args.cpu_offload, seed=args.seed)
     note = builtin_models.RANDOM_WEIGHTS_NOTE.format(name=loaded.name) if loaded.random_weights else None
     if note:
@@ -309,20 +349,24 @@ def main(argv=None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     warmup = gv.default_warmup(args, device)
 
-    sides, results = {}, {}
+    sides, results, captures, missed = {}, {}, None, None
     for side, backend in (("baseline", args.baseline), ("candidate", args.candidate)):
         skip = gv.skip_kwargs(args) if backend == "fsattn" else {}
-        label = gv.set_attention(loaded, backend, configs[side], **skip)
-        if args.compile:
-            gv.compile_transformer(loaded)
+        label = gv.set_up(loaded, backend, configs[side], skip, parts[side])
         result = gv.run_pipeline(loaded, settings, warmup_steps=warmup, desc=f"{side} [{backend}]")
-        gv.clear_attention(loaded)
         results[side] = result
         sides[side] = {**gv.summary_dict(loaded, settings, label, result, None),
-                       "label": gv.short_label(backend, configs[side])}
+                       "label": gv.short_label(backend, configs[side], parts[side])}
+        gv.clear_attention(loaded)
         for key in ("model", "family", "random_weights", "note", "device", "dtype", "gpu", "torch", "height",
                     "width", "num_frames", "steps", "guidance_scale", "seed", "output", "frames_written"):
             sides[side].pop(key)
+        if side == "baseline" and args.attention_report:
+            # On the baseline's weights, before the candidate's FP8 (if any) replaces them.
+            names = [n for n, _ in attention_modules(loaded.pipe.transformer)]
+            layers = args.report_layers.split(",") if args.report_layers else default_report_layers(names)
+            steps = resolve_report_steps(args.report_steps, settings.steps)
+            captures, missed = capture_attention_inputs(loaded, settings, layers, steps)
 
     base, cand = results["baseline"], results["candidate"]
     report = {
@@ -342,19 +386,17 @@ def main(argv=None) -> dict:
         report["video"] = compare_videos(base.frames, cand.frames, args.lpips_net, device)
         video_path = gv.write_video(side_by_side(base.frames, cand.frames, args.diff_gain),
                                     os.path.join(out_dir, "side_by_side.mp4"), settings.fps)
-        title = (f"{loaded.name}: {sides['baseline']['label']} vs {sides['candidate']['label']}"
-                 + (" (random weights)" if loaded.random_weights else ""))
         report["outputs"]["side_by_side"] = video_path
-        report["outputs"]["plot"] = plot_metrics(report["video"], os.path.join(out_dir, "metrics.png"), title)
+        if no_plot is None:
+            title = (f"{loaded.name}: {sides['baseline']['label']} vs {sides['candidate']['label']}"
+                     + (" (random weights)" if loaded.random_weights else ""))
+            report["outputs"]["plot"] = plot_metrics(report["video"], os.path.join(out_dir, "metrics.png"), title)
+        report["plot_note"] = no_plot
         report["side_by_side_layout"] = f"baseline | candidate | |difference| x {args.diff_gain:g}"
     else:
         print("note: no decoded frames (--no-decode or no VAE): comparing the final latents only", file=sys.stderr)
 
     if args.attention_report:
-        names = [n for n, _ in attention_modules(loaded.pipe.transformer)]
-        layers = args.report_layers.split(",") if args.report_layers else default_report_layers(names)
-        steps = resolve_report_steps(args.report_steps, settings.steps)
-        captures, missed = capture_attention_inputs(loaded, settings, layers, steps)
         config = configs["candidate"] if args.candidate == "fsattn" else configs["baseline"]
         report["attention_report"] = attention_report(captures, config)
         report["attention_report_missed_layers"] = missed  # their processors call SDPA directly

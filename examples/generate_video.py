@@ -4,6 +4,7 @@
     python examples/generate_video.py                   # built-in `tiny` (random weights), CPU-sized
     python examples/generate_video.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "A cat surfing"
     python examples/generate_video.py --model wan2.1-t2v-1.3b --steps 10 --no-decode   # GPU timing
+    python examples/generate_video.py --model wan2.1-t2v-1.3b --steps 10 --no-decode --recipe   # the whole recipe
     torchrun --nproc-per-node 2 examples/generate_video.py --model wan2.1-t2v-14b --ulysses-degree 2 --no-decode
 
 ``--model`` is a built-in name (fsattn_diffusers.builtin_models: tiny, wan2.1-t2v-1.3b,
@@ -11,6 +12,11 @@ wan2.1-t2v-14b, hunyuanvideo; random weights, nothing downloaded) or a hub id / 
 Wan or HunyuanVideo diffusers pipeline (``DiffusionPipeline.from_pretrained``). At the end it
 prints the time per step and in total, the attention backend, fsattn's speculative-max
 fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
+
+The recipe's parts (``fsattn_diffusers.apply_recipe``) are flags: ``--fuse-qkv``, ``--fp8-linear``
+(torchao float8 linear layers; a CUDA GPU of compute capability 8.9+ and bf16), ``--compile``
+(regional, ``fullgraph=True``), or ``--recipe`` for all of them with fsattn. Whatever the run
+needs after the denoising loop (a video writer) is checked before the model is loaded.
 
 Under ``torchrun`` with ``--ulysses-degree`` / ``--ring-degree`` (their product must be the number
 of processes), the transformer runs with diffusers' context parallelism, one GPU per process:
@@ -77,8 +83,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
                         help="of the transformer and text encoder; default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the transformer's repeated blocks (after the attention is set)")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="enable_model_cpu_offload: components move to the GPU only while they run")
     parser.add_argument("--no-decode", action="store_true",
@@ -90,6 +94,29 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "run under torchrun, ulysses x ring = number of processes")
     parser.add_argument("--ring-degree", type=_positive_int, default=1,
                         help="context parallelism: GPUs that pass key/value chunks around a ring (ring attention)")
+    add_recipe_args(parser)
+
+
+_DYNAMIC = {"auto": None, "true": True, "false": False}
+
+
+def add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    """The parts of fsattn_diffusers.apply_recipe besides the attention."""
+    parser.add_argument("--compile", action="store_true",
+                        help="regional torch.compile of the transformer blocks (fullgraph=True; the first step "
+                             "compiles)")
+    parser.add_argument("--fuse-qkv", action="store_true",
+                        help="one GEMM for the Q, K, V projections where the model family offers it")
+    parser.add_argument("--fp8-linear", action="store_true",
+                        help="the blocks' linear layers in FP8 e4m3, per-row scales (torchao; bf16 model, CUDA GPU of "
+                             "compute capability 8.9+); replaces the weights")
+    parser.add_argument("--recipe", action="store_true",
+                        help="the whole recipe: fsattn + --fuse-qkv + --fp8-linear + --compile")
+    parser.add_argument("--dynamic", choices=sorted(_DYNAMIC), default="auto",
+                        help="torch.compile's dynamic shapes: auto (torch's default: one recompile at the first new "
+                             "size, dynamic from then on), true, false (one graph per size)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend (inductor; eager or aot_eager only trace, for checks)")
 
 
 def add_fsattn_args(parser: argparse.ArgumentParser) -> None:
@@ -293,16 +320,20 @@ def set_attention(loaded: LoadedModel, backend: str, config: FSAttnConfig | None
 
 
 def clear_attention(loaded: LoadedModel) -> None:
-    """Back to diffusers' own attention (remove_fsattn is harmless where nothing was applied)."""
+    """Back to diffusers' own attention, uncompiled and unfused (both removals are harmless where nothing was
+    applied; FP8 weights stay FP8, see fsattn_diffusers.remove_recipe)."""
+    fsattn_diffusers.remove_recipe(loaded.pipe)
     fsattn_diffusers.remove_fsattn(loaded.pipe)
 
 
-def short_label(backend: str, config: FSAttnConfig | None = None) -> str:
-    """"sdpa", "fsattn", or "fsattn[field=value, ...]" for a non-default config (tables, plots)."""
+def short_label(backend: str, config: FSAttnConfig | None = None, parts: "RecipeParts | None" = None) -> str:
+    """"sdpa", "fsattn", "fsattn[field=value, ...]" for a non-default config, then the recipe's parts
+    ("+fused-qkv+fp8+compile"), for tables and plots."""
+    suffix = parts.label() if parts is not None else ""
     if backend != "fsattn" or config is None:
-        return backend
+        return backend + suffix
     text = describe_config(config).removeprefix("config ")
-    return "fsattn" if text == "default" else f"fsattn[{text}]"
+    return ("fsattn" if text == "default" else f"fsattn[{text}]") + suffix
 
 
 def describe_config(config: FSAttnConfig | None) -> str:
@@ -325,12 +356,105 @@ def skip_kwargs(args) -> dict:
             "strict": args.strict}
 
 
-def compile_transformer(loaded: LoadedModel) -> None:
-    transformer = loaded.pipe.transformer
-    if getattr(transformer, "_repeated_blocks", None):
-        transformer.compile_repeated_blocks()  # regional compile: one graph per block class, fast to build
-    else:
-        transformer.compile()
+@dataclass(frozen=True)
+class RecipeParts:
+    """The recipe's parts besides the attention (``fsattn_diffusers.apply_recipe``'s switches)."""
+
+    fuse_qkv: bool = False
+    fp8_linear: bool = False
+    compile: bool = False
+    dynamic: bool | None = None
+    compile_backend: str = "inductor"
+
+    @property
+    def any(self) -> bool:
+        return self.fuse_qkv or self.fp8_linear or self.compile
+
+    def label(self) -> str:
+        """``+fused-qkv+fp8+compile``-style suffix for tables ("" when no part is on)."""
+        return "".join(f"+{name}" for name, on in (("fused-qkv", self.fuse_qkv), ("fp8", self.fp8_linear),
+                                                     ("compile", self.compile)) if on)
+
+
+def recipe_parts(args) -> RecipeParts:
+    """The parts the flags ask for (``--recipe``: all of them)."""
+    every = args.recipe
+    return RecipeParts(fuse_qkv=every or args.fuse_qkv, fp8_linear=every or args.fp8_linear,
+                       compile=every or args.compile, dynamic=_DYNAMIC[args.dynamic],
+                       compile_backend=args.compile_backend)
+
+
+def check_recipe_parts(parts: RecipeParts, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before any model is loaded, parts that cannot run here (FP8 on a CPU or an older GPU, or not in bf16)."""
+    from fsattn_diffusers.recipe import fp8_unavailable_reason
+
+    if not parts.fp8_linear:
+        return
+    reason = fp8_unavailable_reason(device)
+    if reason is not None:
+        raise SystemExit(f"--fp8-linear (also part of --recipe): {reason}. Leave it out (--fuse-qkv --compile give the "
+                         "rest of the recipe)")
+    if dtype != torch.bfloat16:
+        raise SystemExit(f"--fp8-linear needs the transformer in bfloat16 (torchao's per-row float8), got "
+                         f"--dtype {str(dtype).replace('torch.', '')}; use --dtype bf16")
+
+
+def set_up(loaded: LoadedModel, backend: str, config: FSAttnConfig | None, skip: dict, parts: RecipeParts) -> str:
+    """The attention (``set_attention``) and, if asked, the rest of the recipe (``apply_recipe``); describes the
+    attention (``recipe_summary`` the rest)."""
+    if not parts.any:
+        return set_attention(loaded, backend, config, **skip)
+    if backend not in ("sdpa", "fsattn"):
+        raise ValueError(f"attention backend {backend!r}; expected 'sdpa' or 'fsattn'")
+    clear_attention(loaded)
+    fsattn = backend == "fsattn"
+    fsattn_diffusers.apply_recipe(
+        loaded.pipe, fsattn=fsattn, fsattn_options=dict(config=config, **skip) if fsattn else None,
+        fuse_qkv=parts.fuse_qkv, fp8_linear=parts.fp8_linear, compile=parts.compile, dynamic=parts.dynamic,
+        compile_options={"backend": parts.compile_backend} if parts.compile else None)
+    if fsattn:
+        return f"fsattn ({describe_config(config)}{describe_skips(skip)})"
+    return "sdpa (diffusers' default: torch scaled_dot_product_attention)"
+
+
+def recipe_summary(loaded: LoadedModel) -> dict | None:
+    """Per transformer: fused attention modules, FP8 layers, compiled modules (None without a recipe)."""
+    summary = fsattn_diffusers.recipe_summary(loaded.pipe)
+    if all(entry is None for entry in summary.values()):
+        return None
+    return {name: None if entry is None else {
+        "fused_modules": entry["fused_modules"], "fp8_linear_layers": len(entry["fp8_linear"]),
+        "compiled_modules": entry["compiled_modules"], "dynamic": entry["parts"]["dynamic"]}
+        for name, entry in summary.items()}
+
+
+def describe_recipe(summary: dict | None) -> str:
+    if not summary:
+        return "none"
+    parts = []
+    for name, entry in summary.items():
+        if entry is not None:
+            dynamic = {None: "auto", True: "true", False: "false"}[entry["dynamic"]]
+            parts.append(f"{name}: {entry['fused_modules']} fused QKV modules, {entry['fp8_linear_layers']} FP8 linear "
+                         f"layers, {entry['compiled_modules']} compiled blocks (dynamic {dynamic})")
+    return "; ".join(parts)
+
+
+def check_video_writer() -> None:
+    """Refuse up front a run whose video could not be written at the end (write_video's needs)."""
+    try:
+        import imageio  # noqa: F401
+    except ImportError:
+        raise SystemExit("writing the mp4 needs imageio (pip install imageio imageio-ffmpeg); it is not installed. "
+                         "Install it, or pass --no-decode") from None
+    for module in ("imageio_ffmpeg", "cv2"):
+        try:
+            __import__(module)
+            return
+        except ImportError:
+            continue
+    raise SystemExit("writing the mp4 needs imageio-ffmpeg (pip install imageio-ffmpeg) or OpenCV; neither is "
+                     "installed. Install one, or pass --no-decode")
 
 
 @dataclass
@@ -375,6 +499,7 @@ class RunResult:
     decode_seconds: float
     peak_gpu_bytes: int | None
     stats: dict = field(default_factory=dict)
+    warmup_seconds: float | None = None  # the untimed warm-up steps (compilation happens there), if any
 
     @property
     def steady_step_seconds(self) -> float:
@@ -413,10 +538,15 @@ def run_pipeline(loaded: LoadedModel, settings: GenerationSettings, warmup_steps
     pipe, device = loaded.pipe, loaded.device
     # no_grad, as diffusers' own __call__ uses, not inference_mode: tensors born in inference mode
     # (fsattn's device-side fallback counters) cannot be zeroed by reset_stats() outside it.
+    warmup_seconds = None
     if warmup_steps > 0:
         pipe.set_progress_bar_config(desc=f"warm-up ({desc})", leave=False)
+        _sync(device)
+        warmup_start = time.perf_counter()
         with torch.no_grad():
             pipe(**call_kwargs(loaded, settings, warmup_steps, decode=False))
+        _sync(device)
+        warmup_seconds = time.perf_counter() - warmup_start
     fsattn_diffusers.reset_stats()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -455,7 +585,7 @@ def run_pipeline(loaded: LoadedModel, settings: GenerationSettings, warmup_steps
         total_seconds=end - start, prepare_seconds=stamps[0] - start, denoise_seconds=stamps[-1] - stamps[0],
         decode_seconds=end - stamps[-1],
         peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        stats=fsattn_diffusers.stats())
+        stats=fsattn_diffusers.stats(), warmup_seconds=warmup_seconds)
 
 
 def write_video(frames: np.ndarray, path: str, fps: int) -> str:
@@ -528,7 +658,9 @@ def summary_dict(loaded: LoadedModel, settings: GenerationSettings, attention: s
         "step_seconds_steady_mean": result.steady_step_seconds,
         "total_seconds": result.total_seconds, "prepare_seconds": result.prepare_seconds,
         "denoise_seconds": result.denoise_seconds, "decode_seconds": result.decode_seconds,
+        "warmup_seconds": result.warmup_seconds,
         "peak_gpu_bytes": result.peak_gpu_bytes, "fsattn_stats": result.stats,
+        "recipe": recipe_summary(loaded),
         "output": output,
         "frames_written": None if result.frames is None else int(result.frames.shape[0]),
         "parallel": parallel,
@@ -548,8 +680,11 @@ def print_summary(summary: dict) -> None:
         ("time per step", f"{summary['step_seconds_mean']:.3f} s mean, {summary['step_seconds_median']:.3f} s median, "
                           f"{summary['step_seconds_steady_mean']:.3f} s after the first (first {steps[0]:.3f} s)"),
         ("time in total", f"{summary['total_seconds']:.2f} s (prompt + setup {summary['prepare_seconds']:.2f} s, "
-                          f"denoising {summary['denoise_seconds']:.2f} s, decode {summary['decode_seconds']:.2f} s)"),
+                          f"denoising {summary['denoise_seconds']:.2f} s, decode {summary['decode_seconds']:.2f} s)"
+                          + (f"; untimed warm-up before it {summary['warmup_seconds']:.2f} s (compilation included)"
+                             if summary.get("warmup_seconds") is not None else "")),
         ("fsattn", fallback_line(summary["fsattn_stats"])),
+        ("recipe", describe_recipe(summary.get("recipe"))),
         ("peak GPU memory", format_gib(summary["peak_gpu_bytes"])),
         ("output", summary["output"] or "none (latents only: --no-decode or no VAE)"),
     ]
@@ -598,12 +733,19 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--attention", choices=("fsattn", "sdpa"), default="fsattn")
+    parser.add_argument("--attention", choices=("fsattn", "sdpa"), default=None,
+                        help="fsattn (default) or sdpa (diffusers' default attention)")
     add_fsattn_args(parser)
-    parser.add_argument("--output", default=None, help="mp4 path (default: outputs/<model>-<attention>.mp4)")
+    parser.add_argument("--output", default=None,
+                        help="mp4 path (default: outputs/<model>-<attention><+recipe parts>.mp4)")
     parser.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
     args = parser.parse_args(argv)
 
+    if args.recipe and args.attention == "sdpa":
+        raise SystemExit("--recipe runs fsattn; it cannot be combined with --attention sdpa (use --fuse-qkv "
+                         "--fp8-linear --compile for the other parts on diffusers' attention)")
+    args.attention = args.attention or "fsattn"
+    parts = recipe_parts(args)
     parallel = check_parallel_args(args.ulysses_degree, args.ring_degree, args.attention)
     if parallel is not None and args.cpu_offload:
         raise SystemExit("--cpu-offload cannot be combined with --ulysses-degree / --ring-degree")
@@ -613,28 +755,32 @@ def main(argv=None) -> dict:
     device_arg = str(start_parallel(parallel, args.device)) if parallel is not None else args.device
     device, dtype = resolve_device_dtype(device_arg, args.dtype)
     config = parse_fsattn_config(args.fsattn_config)
+    check_recipe_parts(parts, device, dtype)
+    if not args.no_decode:
+        check_video_writer()
     loaded = load_model(args.model, device, dtype, cpu_offload=args.cpu_offload, seed=args.seed)
     main_rank = parallel is None or parallel.is_main
     if loaded.random_weights and main_rank:
         print("NOTE: " + builtin_models.RANDOM_WEIGHTS_NOTE.format(name=loaded.name), file=sys.stderr)
     settings = resolve_settings(args, loaded)
-    if args.attention == "fsattn":
-        attention = set_attention(loaded, "fsattn", config, **skip_kwargs(args))
-    else:
-        attention = set_attention(loaded, "sdpa")
-    if parallel is not None:
+    skip = skip_kwargs(args) if args.attention == "fsattn" else {}
+    if parallel is not None and parts.any:
+        # The recipe goes after context parallelism: its compilation leaves the block carrying the
+        # parallel input-splitting hook eager (fsattn_diffusers.recipe).
         enable_context_parallelism(loaded, parallel)
+    attention = set_up(loaded, args.attention, config if args.attention == "fsattn" else None, skip, parts)
+    if parallel is not None:
+        if not parts.any:
+            enable_context_parallelism(loaded, parallel)
         attention += f"; context parallel: ulysses {parallel.ulysses_degree} x ring {parallel.ring_degree}"
-    if args.compile:
-        compile_transformer(loaded)
     result = run_pipeline(loaded, settings, warmup_steps=default_warmup(args, device),
                           desc=f"denoising [{args.attention}]")
     rank_times = gather_rank_times(result, parallel) if parallel is not None else None
     output = None
     if result.frames is not None and main_rank:
         safe_name = os.path.basename(os.path.normpath(args.model)).replace("/", "_")
-        output = write_video(result.frames, args.output or os.path.join("outputs", f"{safe_name}-{args.attention}.mp4"),
-                             settings.fps)
+        default_output = os.path.join("outputs", f"{safe_name}-{args.attention}{parts.label()}.mp4")
+        output = write_video(result.frames, args.output or default_output, settings.fps)
     summary = summary_dict(loaded, settings, attention, result, output, rank_times)
     if main_rank:
         print_summary(summary)

@@ -9,8 +9,8 @@ have a data range of 255; floating frames are taken to lie in ``[0, 1]`` (range 
 scikit-image's definitions and defaults (``skimage.metrics.peak_signal_noise_ratio`` and
 ``structural_similarity``: a 7x7 uniform window, K1 = 0.01, K2 = 0.03, sample covariance,
 channels averaged), in float64, so that they need nothing beyond NumPy; the tests check them
-against scikit-image (which computes float32 frames in float32: ~1e-7 apart there). LPIPS is the ``lpips`` package's, used only where it and its network weights are
-already on disk.
+against scikit-image (which computes float32 frames in float32: ~1e-7 apart there). LPIPS is
+the ``lpips`` package's, used only where it and its network weights are already on disk.
 
 Attention outputs
 -----------------

@@ -131,3 +131,49 @@ def test_report_steps_resolve_names_and_refuse_bad_ones(ab_compare):
         ab_compare.resolve_report_steps("10", 10)
     with pytest.raises(SystemExit, match="'soon' is not first, middle, last"):
         ab_compare.resolve_report_steps("soon", 10)
+
+
+# ----------------------------------------------------------------------------- the recipe, and a bare install
+
+def test_bare_install_compares_without_scikit_image_or_matplotlib(ab_compare, monkeypatch, tmp_path, capsys):
+    # `pip install -e .` brings neither: PSNR/SSIM are fsattn_diffusers.metrics' own, and the plot is
+    # skipped with one line saying how to get it. The candidate runs two parts of the recipe.
+    for name in ("skimage", "skimage.metrics", "matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)
+    report = ab_compare.main([*SMALL, "--steps", "2", "--fuse-qkv", "--compile", "--compile-backend", "eager",
+                              "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed, so metrics.png is not written (pip install matplotlib)" in err
+    assert not (tmp_path / "metrics.png").exists() and "plot" not in report["outputs"]
+    saved = _strict_json(tmp_path / "report.json")
+    assert saved["plot_note"].startswith("matplotlib is not installed")
+    assert len(saved["video"]["ssim"]) == 9 and 0.9 < min(saved["video"]["ssim"]) < 1.0
+    assert (tmp_path / "side_by_side.mp4").exists()
+    assert saved["baseline"]["label"] == "sdpa+compile" and saved["candidate"]["label"] == "fsattn+fused-qkv+compile"
+    assert saved["candidate"]["recipe"] == {"transformer": {"fused_modules": 4, "fp8_linear_layers": 0,
+                                                            "compiled_modules": 2, "dynamic": None}}
+    assert saved["baseline"]["recipe"]["transformer"]["fused_modules"] == 0  # --compile alone on the baseline
+    assert sum(saved["candidate"]["fsattn_stats"]["calls"].values()) == 16  # compiled, still every call on fsattn
+    assert saved["latent_error"]["cosine"] > 0.999
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--recipe"], r"--fp8-linear \(also part of --recipe\): the transformer runs on cpu"),
+    (["--fp8-linear"], r"--fp8-linear \(also part of --recipe\): the transformer runs on cpu"),
+    (["--recipe", "--candidate", "sdpa"], "cannot be combined with --candidate sdpa"),
+])
+def test_what_cannot_run_is_refused_before_any_model_is_loaded(ab_compare, monkeypatch, args, match):
+    def load_model(*a, **k):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(ab_compare.gv, "load_model", load_model)
+    with pytest.raises(SystemExit, match=match):
+        ab_compare.main([*SMALL, *args])
+
+
+def test_a_missing_video_writer_is_refused_before_any_model_is_loaded(ab_compare, monkeypatch):
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
+    monkeypatch.setitem(sys.modules, "cv2", None)
+    monkeypatch.setattr(ab_compare.gv, "load_model", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    with pytest.raises(SystemExit, match=r"needs imageio-ffmpeg \(pip install imageio-ffmpeg\) or OpenCV.*--no-decode"):
+        ab_compare.main([*SMALL])

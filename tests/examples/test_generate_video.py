@@ -148,3 +148,38 @@ def test_summary_prints_every_rank_time(generate_video, capsys):
     out = capsys.readouterr().out
     assert "2 GPUs: ulysses 2 x ring 1" in out
     assert "rank 0 2.50 s, rank 1 2.75 s; slowest 2.75 s" in out
+
+
+# ----------------------------------------------------------------------------- the recipe's parts
+
+
+def test_recipe_parts_run_and_are_reported(generate_video, tmp_path):
+    summary = generate_video.main([*SMALL, "--steps", "2", "--fuse-qkv", "--compile", "--compile-backend", "eager",
+                                   "--dynamic", "false", "--no-decode"])
+    assert summary["recipe"] == {"transformer": {"fused_modules": 4, "fp8_linear_layers": 0, "compiled_modules": 2,
+                                                 "dynamic": False}}
+    assert sum(summary["fsattn_stats"]["calls"].values()) == 16  # compiled and fused, every call still on fsattn
+    plain = generate_video.main([*SMALL, "--steps", "2", "--no-decode"])
+    assert plain["recipe"] is None
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--recipe"], r"--fp8-linear \(also part of --recipe\): the transformer runs on cpu.*--fuse-qkv --compile"),
+    (["--recipe", "--attention", "sdpa"], "--recipe runs fsattn"),
+])
+def test_recipe_that_cannot_run_is_refused_before_loading(generate_video, monkeypatch, args, match):
+    monkeypatch.setattr(generate_video, "load_model", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    with pytest.raises(SystemExit, match=match):
+        generate_video.main([*SMALL, *args])
+
+
+def test_fp8_needs_bf16(generate_video, monkeypatch):
+    from fsattn_diffusers import recipe
+
+    monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)  # as on an FP8-capable GPU
+    parts = generate_video.RecipeParts(fp8_linear=True)
+    import torch
+
+    with pytest.raises(SystemExit, match="--fp8-linear needs the transformer in bfloat16.*--dtype float16"):
+        generate_video.check_recipe_parts(parts, torch.device("cuda"), torch.float16)
+    generate_video.check_recipe_parts(parts, torch.device("cuda"), torch.bfloat16)
