@@ -1,42 +1,50 @@
 #!/usr/bin/env python
-"""End to end: Wan 2.1's denoising loop on diffusers' default attention, then on fsattn, in one process.
+"""End to end: the speed recipe's rows on a real video-DiT architecture (random weights), in one process.
 
-    python benchmarks/bench_e2e.py --model wan2.1-t2v-1.3b --steps 3 --out e2e_13b.json      # 480x832, 81 frames
-    python benchmarks/bench_e2e.py --model wan2.1-t2v-14b --steps 2 --out e2e_14b.json       # 720x1280, 81 frames
-    python benchmarks/bench_e2e.py --model wan2.1-t2v-1.3b --compile --out e2e_13b_compiled.json
-    torchrun --nproc-per-node 2 benchmarks/bench_e2e.py --model wan2.1-t2v-14b --ulysses-degree 2
-    python benchmarks/bench_e2e.py --model tiny --height 64 --width 96 --frames 9   # CPU, seconds
+    python benchmarks/bench_e2e.py --model wan2.1-t2v-1.3b --steps 3 --out e2e_13b.json     # 480x832, 81 frames
+    python benchmarks/bench_e2e.py --model wan2.1-t2v-14b --steps 2 --out e2e_14b.json      # 720x1280, 81 frames
+    python benchmarks/bench_e2e.py --model hunyuanvideo --steps 2 --out e2e_hunyuan.json    # 720x1280, 129 frames
+    python benchmarks/bench_e2e.py --model wan2.1-t2v-14b --rows recipe --first-call-only --cache-dir /tmp/cc
+    python benchmarks/bench_e2e.py --model tiny --height 64 --width 96 --frames 9          # CPU, seconds
 
-What is timed: the denoising loop only, written out as diffusers' ``WanPipeline.__call__`` runs it
-(UniPC scheduler with Wan's flow shift, a conditional and an unconditional transformer forward per
-step, the guidance combine, ``scheduler.step``). There is no text encoder (the prompt embeddings
-are random, of the real shape ``(1, 512, 4096)``) and no VAE decode. The transformer is the real
-Wan 2.1 architecture with random weights (``builtin_models.build_transformer``): nothing is
-downloaded, and the outputs measure speed and the A/B difference, never picture quality.
+Rows (``--rows``, comma-separated; each an attention, then parts joined by ``+``):
 
-Both sides run on the same transformer object, the same initial noise and the same prompt
-embeddings, in the order ``--sides`` gives (default: baseline first, then fsattn, always). The
-baseline is the model as diffusers builds it; fsattn is ``apply_fsattn(transformer)`` (or, with
-context parallelism, the ``"fsattn"`` attention backend), removed afterwards and checked to
-restore the original processors. Per side: ``--warmup-steps`` untimed steps (Triton, cuDNN and
-torch.compile warm-up), ``--steps`` steps timed with CUDA events (synchronised after each step),
-then ``--profile-steps`` steps under torch.profiler for the attention share. Peak memory is
-``max_memory_allocated`` over the timed steps (weights included).
+=========================== ==============================================================
+``default``                 the model as diffusers builds it (attention: ``--baseline-backend``)
+``default+compile``         diffusers' regional compilation of the blocks
+``default+fuse+fp8+compile`` the recipe without fsattn: fused QKV, FP8 linear layers, compile
+``fsattn``                  ``apply_fsattn``
+``fsattn+compile``          fsattn, compiled
+``recipe``                  ``fsattn+fuse+fp8+compile``: ``fsattn_diffusers.apply_recipe`` as it defaults
+=========================== ==============================================================
 
-Context parallelism (``--ulysses-degree``/``--ring-degree`` under torchrun): diffusers' public
-``transformer.enable_parallelism(config=ContextParallelConfig(...))``, once, before both sides;
-rank 0 reports each rank's step times and, per step, the slowest rank's. The fsattn side then
-uses the ``"fsattn"`` backend by name, which diffusers accepts only if fsattn_diffusers registers
-it with context-parallel support (assumed here; the script refuses up front otherwise).
+Any other combination of ``fuse``, ``fp8`` and ``compile`` after ``default`` or ``fsattn`` works
+too (e.g. ``fsattn+fp8+compile`` isolates the fusion). One model build serves every row. FP8
+replaces the weights, so rows run in the order given except that ``default`` goes first and FP8
+rows last; FP8 rows share the quantized weights (a later FP8 row quantizes nothing more).
 
-Attention share: the profiled steps are extra steps, so the profiler's overhead never touches the
-timed ones. On a GPU, the device time of the attention kernels (fsattn's ``_fsattn_*`` and
-``_quantize_*`` Triton kernels; the flash, fmha and cuDNN SDPA kernels) over the device time of
-every kernel in the profiled steps. The outermost attention ops (``fsattn::attention``, the custom op
-around all of fsattn's kernels, or aten's ``scaled_dot_product_attention`` family) tell self- from
-cross-attention by their input shapes (query and key shapes equal: self); their
-``device_time_total`` is kept as a cross-check only, because on torch 2.11 it overcounts (SDPA at
-101 % of the step on the H200). On a CPU the ops' CPU time over the profiled steps' wall time.
+Per row: one first call (a transformer forward on the first step's inputs, wall time: it carries
+compilation, autotuning and Triton's JIT; ``torch._dynamo.reset()`` before it, so each row
+compiles from scratch, unless ``--cache-dir`` holds a previous process's artefacts), then a short
+denoising loop of ``--steps`` steps as the family's pipeline runs it (Wan: UniPC with its flow
+shift, classifier-free guidance as two forwards per step; HunyuanVideo: flow-matching Euler,
+embedded guidance, one forward per step), each forward and step timed with CUDA events. Peak
+memory is ``max_memory_allocated`` over the loop (weights included). Quality against the
+reference row (``default``, run first whenever it is asked for; else the first row): cosine of
+the first call's output, cosine and relative L1 of the final latents, and where a VAE is built
+(``tiny``, ``wan2.1-t2v-1.3b``) the decoded video's per-frame PSNR / SSIM. Random weights:
+nothing here is picture quality, only the difference a row makes. No text encoder (random
+prompt embeddings of the real shapes).
+
+The JSON is written after every row (a time box that ends the process keeps the rows done), with
+the GPU and the torch / Triton / diffusers / torchao versions. ``--budget-s`` skips rows that the
+times measured so far say would not finish in time.
+
+Compilation cost: ``--first-call-only`` builds, applies each row and times its first call only.
+``--cache-dir DIR`` points inductor's caches (FX graph, AOTAutograd) and Triton's at ``DIR``, so a
+second process with the same ``DIR`` reuses the first one's artefacts; the JSON records the cache
+hits. ``--cache-artifacts FILE`` does the same through ``torch.compiler.save_cache_artifacts`` /
+``load_cache_artifacts`` (loaded at the start if the file exists, saved at the end).
 """
 
 from __future__ import annotations
@@ -58,29 +66,64 @@ import torch
 import fsattn_diffusers
 from fsattn_diffusers import builtin_models, metrics
 
-MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "tiny")
-SIDES = ("baseline", "fsattn")
+MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "hunyuanvideo", "tiny", "tiny-hunyuanvideo")
+DEFAULT_ROWS = ("default", "default+compile", "default+fuse+fp8+compile", "fsattn", "fsattn+compile", "recipe")
+ALIASES = {"recipe": "fsattn+fuse+fp8+compile"}
+PARTS = ("fuse", "fp8", "compile")
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: prompt embeddings are always padded to it
-# The targets of issue 5, per (model, height, width): fsattn's speed-up per denoising step.
-SPEEDUP_TARGETS = {("wan2.1-t2v-1.3b", 480, 832): 1.3, ("wan2.1-t2v-14b", 720, 1280): 1.4}
-PEAK_MEMORY_TARGET = 1.10  # fsattn's peak memory over the baseline's, at most
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-# Outermost profiler ops that are one attention call (see the module docstring).
+# Outermost profiler ops that are one attention call (see attention_share).
 ATTENTION_OP = re.compile(r"^(fsattn::attention|aten::_?(scaled_dot_product\w*|flash_attention\w*|"
                           r"efficient_attention\w*|_flash_attention\w*|_efficient_attention\w*|_cudnn_attention\w*))$")
-# Cross-check by device kernel name: fsattn's Triton kernels, and the SDPA kernels of flash, the
+# By device kernel name: fsattn's Triton kernels, and the SDPA kernels of flash, the
 # memory-efficient path (fmha) and cuDNN (its fused kernels carry "sdpa" or "flash" in the name).
 ATTENTION_KERNEL = re.compile(r"_fsattn_|_quantize_(q|kv)_kernel|flash|fmha|sdpa|attention", re.IGNORECASE)
 
-CPU_TIMING_NOTE = ("CPU run: fsattn runs a PyTorch emulation of the GPU kernel's numerics here, so these times and "
-                   "the speed-up say nothing about GPU speed; the fidelity figures do stand for the GPU kernel.")
-SCOPE_NOTE = ("Timed: the denoising loop only (two transformer forwards for classifier-free guidance, the "
-              "guidance combine and scheduler.step per step), as WanPipeline runs it; no text encoder (random "
-              "prompt embeddings of the real shape) and no VAE decode. Random weights.")
+CPU_TIMING_NOTE = ("CPU run: fsattn runs a PyTorch emulation of the GPU kernel's numerics here, so these times say "
+                   "nothing about GPU speed; the fidelity figures do stand for the GPU kernel.")
 
 
-# ----------------------------------------------------------------------------- arguments
+# ----------------------------------------------------------------------------- rows and arguments
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str  # as given (an alias stays an alias)
+    fsattn: bool
+    fuse: bool = False
+    fp8: bool = False
+    compile: bool = False
+
+    @property
+    def recipe(self) -> bool:
+        """Whether the row goes through apply_recipe (any part besides the attention)."""
+        return self.fuse or self.fp8 or self.compile
+
+
+def parse_row(text: str) -> Row:
+    tokens = ALIASES.get(text, text).split("+")
+    bad = [t for t in tokens[1:] if t not in PARTS] + ([] if tokens[0] in ("default", "fsattn") else [tokens[0]])
+    if bad or len(set(tokens)) != len(tokens):
+        raise argparse.ArgumentTypeError(
+            f"row {text!r}: expected 'default' or 'fsattn', then parts from {', '.join(PARTS)} joined by '+' "
+            f"(e.g. fsattn+fp8+compile), or an alias ({', '.join(ALIASES)})")
+    return Row(text, tokens[0] == "fsattn", *(part in tokens[1:] for part in PARTS))
+
+
+def _rows(text: str) -> tuple[Row, ...]:
+    rows = tuple(parse_row(t.strip()) for t in text.split(",") if t.strip())
+    names = [(r.fsattn, r.fuse, r.fp8, r.compile) for r in rows]
+    if not rows or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--rows={text!r}: expected a comma-separated list of distinct rows")
+    # FP8 replaces the weights: every bf16 row first, in the order given; the reference row (the
+    # first plain "default") before them all.
+    ordered = [r for r in rows if not r.fp8] + [r for r in rows if r.fp8]
+    plain = [r for r in ordered if not r.fsattn and not r.recipe]
+    if plain:
+        ordered.remove(plain[0])
+        ordered.insert(0, plain[0])
+    return tuple(ordered)
+
 
 def _nonnegative_int(text: str) -> int:
     try:
@@ -99,110 +142,93 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _sides(text: str) -> tuple[str, ...]:
-    sides = tuple(s.strip() for s in text.split(",") if s.strip())
-    bad = [s for s in sides if s not in SIDES]
-    if not sides or bad or len(set(sides)) != len(sides):
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated, non-repeating list of {', '.join(SIDES)} (run in that order), got {text!r}")
-    return sides
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=MODELS, default="wan2.1-t2v-1.3b",
-                        help="built-in Wan transformer (random weights; tiny is CPU-sized); default wan2.1-t2v-1.3b")
-    parser.add_argument("--height", type=_positive_int, default=None, help="default: the model's (1.3B 480, 14B 720)")
-    parser.add_argument("--width", type=_positive_int, default=None, help="default: the model's (1.3B 832, 14B 1280)")
-    parser.add_argument("--frames", type=_positive_int, default=None,
-                        help="video frames, 4k+1; default: the model's (81)")
-    parser.add_argument("--steps", type=_positive_int, default=3, help="timed denoising steps per side (default 3)")
-    parser.add_argument("--warmup-steps", type=_nonnegative_int, default=1,
-                        help="untimed steps first, per side (default 1; at least 1 with --compile: they carry "
-                             "the compile)")
-    parser.add_argument("--profile-steps", type=_nonnegative_int, default=1,
-                        help="extra steps under torch.profiler for the attention share (default 1; 0: none)")
-    parser.add_argument("--schedule-steps", type=_positive_int, default=None,
-                        help="length of the scheduler's schedule (default: warm-up + timed + profiled steps, so the "
-                             "loop runs a whole schedule); larger runs the first steps of a longer schedule")
-    parser.add_argument("--guidance-scale", type=float, default=None, help="default: the model's (5.0); <= 1: no CFG")
-    parser.add_argument("--flow-shift", type=float, default=None,
-                        help="UniPC flow shift; default 3.0 below 720p, 5.0 at 720p and above (as Wan uses)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, initial noise and prompt embeddings (default 0)")
-    parser.add_argument("--sides", type=_sides, default=SIDES,
-                        help="which sides to run, in this order (default baseline,fsattn)")
-    parser.add_argument("--fsattn-config", default=None,
-                        help="FSAttnConfig fields as JSON, e.g. '{\"pv_format\": \"16bit\"}'")
-    parser.add_argument("--fsattn-via", choices=("auto", "apply", "backend"), default="auto",
-                        help="apply: apply_fsattn(transformer); backend: register_fsattn_backend() + "
-                             "set_attention_backend('fsattn'); auto (default): backend under context parallelism, "
-                             "else apply")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the transformer (both sides)")
-    parser.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
-                        help="blocks (default): compile_repeated_blocks(), regional, as diffusers recommends; "
-                             "model: the whole transformer")
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend (default inductor; tests use eager)")
-    for name in ("--ulysses-degree", "--ring-degree"):
-        parser.add_argument(name, type=_positive_int, default=1, help="context parallelism, under torchrun (default 1)")
-    parser.add_argument("--check-restore-forward", action="store_true",
-                        help="also check that after remove_fsattn one forward is bit-identical to one before "
-                             "apply_fsattn (two extra forwards); the processors are always checked")
+                        help="built-in architecture, random weights (default wan2.1-t2v-1.3b; tiny* are CPU-sized)")
+    parser.add_argument("--height", type=_positive_int, default=None, help="default: the model's")
+    parser.add_argument("--width", type=_positive_int, default=None, help="default: the model's")
+    parser.add_argument("--frames", type=_positive_int, default=None, help="video frames, 4k+1; default: the model's")
+    parser.add_argument("--rows", type=_rows, default=None,
+                        help=f"rows to run (default {','.join(DEFAULT_ROWS)}, without the FP8 ones where FP8 cannot "
+                             "run); default first, FP8 rows last")
+    parser.add_argument("--steps", type=_positive_int, default=2, help="denoising steps timed per row (default 2)")
+    parser.add_argument("--first-call-only", action="store_true",
+                        help="per row, only the first call (compilation cost): no loop, no quality")
+    parser.add_argument("--baseline-backend", default=None,
+                        help="diffusers attention backend of the default rows (e.g. native, flash, _native_cudnn, "
+                             "sage); default: diffusers' active backend")
+    parser.add_argument("--fsattn-config", default=None, help="FSAttnConfig fields as JSON for the fsattn rows")
+    parser.add_argument("--dynamic", choices=("auto", "true", "false"), default="auto",
+                        help="torch.compile's dynamic for compiled rows (auto: torch's default)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (tests use eager)")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    parser.add_argument("--coordinate-descent-tuning", action="store_true",
+                        help="turn on inductor's coordinate-descent tuning, as torchao's set_inductor_config does "
+                             "(the recipe leaves it off): measures what it costs and gains")
+    parser.add_argument("--cache-dir", default=None,
+                        help="TORCHINDUCTOR_CACHE_DIR=DIR/inductor and TRITON_CACHE_DIR=DIR/triton: a second process "
+                             "with the same DIR reuses the compiled artefacts")
+    parser.add_argument("--cache-artifacts", default=None,
+                        help="file for torch.compiler.save_cache_artifacts (loaded at the start when it exists)")
+    parser.add_argument("--decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode the final latents with the built-in tiny VAE and compare videos per frame "
+                             "(default: on for tiny and wan2.1-t2v-1.3b)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one extra forward per row under torch.profiler: the attention share")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="skip rows that the times measured so far say would end past this many seconds")
+    parser.add_argument("--guidance-scale", type=float, default=None, help="default: the model's; Wan <= 1: no CFG")
+    parser.add_argument("--seed", type=int, default=0, help="weights, noise and prompt embeddings (default 0)")
     parser.add_argument("--device", default="auto", help="auto (default): cuda when available, else cpu")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--out", default=None, help="write the results as JSON here (after every row)")
     return parser
 
 
 @dataclasses.dataclass
 class Settings:
     model: str
+    family: str
     height: int
     width: int
     frames: int
-    latent_shape: tuple[int, ...]  # (B, C, F, H, W) of the latents
-    video_tokens: int  # self-attention sequence length (after the 1x2x2 patch)
+    latent_shape: tuple[int, ...]
+    video_tokens: int
+    rows: list[str]
     steps: int
-    warmup_steps: int
-    profile_steps: int
-    schedule_steps: int
+    first_call_only: bool
     guidance_scale: float
-    flow_shift: float
-    seed: int
-    sides: tuple[str, ...]
+    baseline_backend: str | None
     fsattn_config: dict | None
-    fsattn_via: str
-    compile: bool
-    compile_scope: str
+    dynamic: bool | None
     compile_backend: str
-    ulysses_degree: int
-    ring_degree: int
+    compile_mode: str | None
+    coordinate_descent_tuning: bool
+    cache_dir: str | None
+    decode: bool
+    profile: bool
+    budget_s: float | None
+    seed: int
     device: str
     dtype: str
 
 
-def resolve_settings(parser: argparse.ArgumentParser, args) -> tuple[Settings, torch.device, torch.dtype]:
-    """Checked settings with the model's defaults filled in; argument errors go through ``parser.error``."""
+def resolve_settings(parser, args) -> tuple[Settings, list[Row], torch.device, torch.dtype]:
+    """Checked settings with the model's defaults; argument errors go through ``parser.error``."""
     spec = builtin_models.get_builtin(args.model)
     height, width, frames = args.height or spec.height, args.width or spec.width, args.frames or spec.num_frames
-    patch = spec.transformer_config["patch_size"]
-    multiple = 8 * patch[1]  # the VAE's 8x spatial compression, then the 2x2 patch
+    cfg = spec.transformer_config
+    patch_hw = cfg["patch_size"][1] if spec.family == "wan" else cfg["patch_size"]
+    patch_t = cfg["patch_size"][0] if spec.family == "wan" else cfg["patch_size_t"]
+    multiple = 8 * patch_hw  # the VAE's 8x spatial compression, then the patch
     for name, value in (("--height", height), ("--width", width)):
         if value % multiple:
-            parser.error(f"{name}={value}: expected a multiple of {multiple} (8x VAE compression x 2x2 patch), "
-                         f"e.g. {max(multiple, value // multiple * multiple)}")
+            parser.error(f"{name}={value}: expected a multiple of {multiple} (8x VAE compression x {patch_hw}x"
+                         f"{patch_hw} patch), e.g. {max(multiple, value // multiple * multiple)}")
     if frames % 4 != 1:
         parser.error(f"--frames={frames}: expected 4k+1 frames (the VAE packs 4 frames per latent), e.g. "
                      f"{frames // 4 * 4 + 1}")
-    if args.compile and args.warmup_steps < 1:
-        parser.error(f"--warmup-steps={args.warmup_steps} with --compile: expected at least 1, the compile happens in "
-                     "the first step and must not be timed")
-    run_steps = args.warmup_steps + args.steps + args.profile_steps
-    schedule_steps = args.schedule_steps or run_steps
-    if schedule_steps < run_steps:
-        parser.error(f"--schedule-steps={schedule_steps} is shorter than the {run_steps} steps run "
-                     f"(warm-up {args.warmup_steps} + timed {args.steps} + profiled {args.profile_steps})")
-
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -210,26 +236,23 @@ def resolve_settings(parser: argparse.ArgumentParser, args) -> tuple[Settings, t
             device = torch.device(args.device)
         except RuntimeError:
             parser.error(f"--device={args.device!r} is not a torch device; expected auto, cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device={args.device!r} but torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     if device.type not in ("cuda", "cpu"):
         parser.error(f"--device={args.device!r}: expected auto, cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device={args.device!r} but torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    from fsattn_diffusers import recipe
 
-    parallel = args.ulysses_degree * args.ring_degree
-    if parallel > 1:
-        if device.type != "cuda":
-            parser.error(f"--ulysses-degree={args.ulysses_degree} --ring-degree={args.ring_degree} on {device}: "
-                         "context parallelism needs CUDA GPUs (diffusers' enable_parallelism puts each rank on an "
-                         "accelerator)")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != parallel:
-            parser.error(f"--ulysses-degree={args.ulysses_degree} x --ring-degree={args.ring_degree} = {parallel} "
-                         f"processes, but WORLD_SIZE={world}; run under torchrun --nproc-per-node {parallel}")
-        heads = spec.transformer_config["num_attention_heads"]
-        if heads % args.ulysses_degree:
-            parser.error(f"--ulysses-degree={args.ulysses_degree} does not divide {args.model}'s {heads} heads")
-
+    fp8_refusal = recipe.fp8_unavailable_reason(device) or (
+        None if dtype == torch.bfloat16 else "torchao's per-row float8 takes bfloat16 weights: use --dtype bf16")
+    rows = list(args.rows or _rows(",".join(DEFAULT_ROWS)))
+    fp8_rows = [r.name for r in rows if r.fp8]
+    if fp8_rows and fp8_refusal is not None:
+        if args.rows is not None:
+            parser.error(f"rows {fp8_rows} need FP8 linear layers, which cannot run here: {fp8_refusal}; choose "
+                         "--rows without fp8")
+        rows = [r for r in rows if not r.fp8]
+        print(f"note: the default rows {fp8_rows} are left out: {fp8_refusal}", file=sys.stderr)
     fsattn_config = None
     if args.fsattn_config:
         try:
@@ -238,158 +261,131 @@ def resolve_settings(parser: argparse.ArgumentParser, args) -> tuple[Settings, t
         except (json.JSONDecodeError, TypeError, ValueError) as exc:
             parser.error(f"--fsattn-config={args.fsattn_config!r}: expected a JSON object of FSAttnConfig fields "
                          f"({exc})")
-    via = args.fsattn_via
-    if via == "auto":
-        via = "backend" if parallel > 1 else "apply"
-
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"--budget-s={args.budget_s}: expected a positive number of seconds")
     latent_frames = (frames - 1) // 4 + 1
-    channels = spec.transformer_config["in_channels"]
-    latent_shape = (1, channels, latent_frames, height // 8, width // 8)
-    tokens = latent_frames // patch[0] * (height // 8 // patch[1]) * (width // 8 // patch[2])
-    guidance = spec.guidance_scale if args.guidance_scale is None else args.guidance_scale
-    # diffusers' WanPipeline docs: flow_shift 3.0 for 480p, 5.0 for 720p.
-    flow_shift = args.flow_shift if args.flow_shift is not None else (5.0 if min(height, width) >= 720 else 3.0)
+    latent_shape = (1, cfg["in_channels"], latent_frames, height // 8, width // 8)
+    tokens = latent_frames // patch_t * (height // multiple) * (width // multiple)
+    decode = args.decode if args.decode is not None else args.model in ("tiny", "wan2.1-t2v-1.3b")
+    if decode and not spec.has_vae:
+        parser.error(f"--decode: {args.model} is built without a VAE (its pipeline stops at the latents)")
     settings = Settings(
-        model=args.model, height=height, width=width, frames=frames, latent_shape=latent_shape, video_tokens=tokens,
-        steps=args.steps, warmup_steps=args.warmup_steps, profile_steps=args.profile_steps,
-        schedule_steps=schedule_steps, guidance_scale=guidance, flow_shift=flow_shift, seed=args.seed,
-        sides=tuple(args.sides), fsattn_config=fsattn_config, fsattn_via=via, compile=args.compile,
-        compile_scope=args.compile_scope, compile_backend=args.compile_backend,
-        ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, device=str(device),
-        dtype=str(dtype).replace("torch.", ""))
-    return settings, device, dtype
+        model=args.model, family=spec.family, height=height, width=width, frames=frames, latent_shape=latent_shape,
+        video_tokens=tokens, rows=[r.name for r in rows], steps=args.steps, first_call_only=args.first_call_only,
+        guidance_scale=spec.guidance_scale if args.guidance_scale is None else args.guidance_scale,
+        baseline_backend=args.baseline_backend, fsattn_config=fsattn_config,
+        dynamic={"auto": None, "true": True, "false": False}[args.dynamic], compile_backend=args.compile_backend,
+        compile_mode=args.compile_mode, coordinate_descent_tuning=args.coordinate_descent_tuning,
+        cache_dir=args.cache_dir, decode=decode and not args.first_call_only, profile=args.profile,
+        budget_s=args.budget_s, seed=args.seed, device=str(device), dtype=str(dtype).replace("torch.", ""))
+    return settings, rows, device, dtype
 
 
-# ----------------------------------------------------------------------------- distributed
+# ----------------------------------------------------------------------------- the model and its loop
 
-class Group:
-    """This process's place among the context-parallel ranks (one rank when not under torchrun)."""
+class Loop:
+    """One family's denoising loop, as its diffusers pipeline runs it, on fixed noise and prompts."""
 
-    def __init__(self, settings: Settings, device: torch.device):
-        self.size = settings.ulysses_degree * settings.ring_degree
-        self.rank = 0
-        self.device = device
-        if self.size > 1:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            if device.type == "cuda":
-                torch.cuda.set_device(local_rank)
-                self.device = torch.device("cuda", local_rank)
-            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-            self.rank = torch.distributed.get_rank()
+    def __init__(self, settings: Settings, transformer, device: torch.device, dtype: torch.dtype):
+        self.settings, self.device, self.dtype = settings, device, dtype
+        generator = torch.Generator("cpu").manual_seed(settings.seed)
+        self.noise = torch.randn(settings.latent_shape, generator=generator, dtype=torch.float32).to(device)
+        if settings.family == "wan":
+            text_dim = transformer.config.text_dim
+            embeds = [torch.randn(1, TEXT_TOKENS, text_dim, generator=generator).to(device, dtype) for _ in range(2)]
+            self.conditions = [{"encoder_hidden_states": embeds[0]}]
+            if settings.guidance_scale > 1.0:  # WanPipeline.do_classifier_free_guidance: the uncond pass
+                self.conditions.append({"encoder_hidden_states": embeds[1]})
+        else:
+            prompt = builtin_models.random_prompt_inputs(settings.model, 1, "cpu", dtype, generator)
+            guidance = torch.tensor([settings.guidance_scale * 1000.0], dtype=dtype, device=device)
+            self.conditions = [{"encoder_hidden_states": prompt["prompt_embeds"].to(device),
+                                "encoder_attention_mask": prompt["prompt_attention_mask"].to(device),
+                                "pooled_projections": prompt["pooled_prompt_embeds"].to(device), "guidance": guidance}]
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def scheduler(self):
+        import numpy as np
+        from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-    def gather(self, obj) -> list:
-        """``obj`` of every rank, in rank order (a list of one without context parallelism)."""
-        if self.size == 1:
-            return [obj]
-        out = [None] * self.size
-        torch.distributed.all_gather_object(out, obj)
-        return out
+        steps = self.settings.steps
+        if self.settings.family == "wan":
+            # diffusers' WanPipeline docs: flow_shift 3.0 for 480p, 5.0 for 720p.
+            shift = 5.0 if min(self.settings.height, self.settings.width) >= 720 else 3.0
+            scheduler = UniPCMultistepScheduler(**{**builtin_models.WAN_SCHEDULER, "flow_shift": shift})
+            scheduler.set_timesteps(steps, device=self.device)
+        else:
+            scheduler = FlowMatchEulerDiscreteScheduler(**builtin_models.HUNYUANVIDEO_SCHEDULER)
+            scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], device=self.device)
+        scheduler.set_begin_index(0)
+        return scheduler
 
-    def close(self) -> None:
-        if self.size > 1:
-            torch.distributed.destroy_process_group()
+    def forward(self, transformer, latents, t, condition: int):
+        timestep = t.expand(latents.shape[0])
+        if self.settings.family != "wan":
+            timestep = timestep.to(latents.dtype)  # as HunyuanVideoPipeline passes it
+        return transformer(hidden_states=latents.to(self.dtype), timestep=timestep, **self.conditions[condition],
+                           return_dict=False)[0]
 
-
-def active_attention_backend() -> str:
-    """The backend diffusers runs for processors that name none ("native" unless DIFFUSERS_ATTN_BACKEND says)."""
-    # diffusers' registry is private (the package keeps it to diffusers_backend.py); a benchmark only reads it.
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    return _AttentionBackendRegistry.get_active_backend()[0].value
-
-
-def backend_supports_context_parallel(member) -> bool:
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    return _AttentionBackendRegistry._is_context_parallel_available(member)
-
-
-def enable_context_parallelism(transformer, settings: Settings) -> None:
-    """diffusers' public API: ``enable_parallelism(config=ContextParallelConfig(...))``, once per model."""
-    from diffusers import ContextParallelConfig
-
-    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=settings.ulysses_degree,
-                                                                ring_degree=settings.ring_degree))
-
-
-# ----------------------------------------------------------------------------- inputs and the loop
-
-@dataclasses.dataclass
-class Inputs:
-    latents: torch.Tensor  # float32 initial noise, as WanPipeline.prepare_latents makes it
-    prompt_embeds: torch.Tensor
-    negative_prompt_embeds: torch.Tensor
+    def step(self, transformer, scheduler, latents, index: int, forward_times: list):
+        t = scheduler.timesteps[index]
+        preds = []
+        for condition in range(len(self.conditions)):
+            with Timer(self.device) as timer:
+                preds.append(self.forward(transformer, latents, t, condition))
+            forward_times.append(timer)
+        pred = preds[0] if len(preds) == 1 else preds[1] + self.settings.guidance_scale * (preds[0] - preds[1])
+        return scheduler.step(pred, t, latents, return_dict=False)[0]
 
 
-def make_inputs(settings: Settings, text_dim: int, device: torch.device, dtype: torch.dtype) -> Inputs:
-    """Noise and prompt embeddings from a CPU generator: the same on every side and every rank."""
-    generator = torch.Generator("cpu").manual_seed(settings.seed)
-    latents = torch.randn(settings.latent_shape, generator=generator, dtype=torch.float32)
-    embeds = [torch.randn(1, TEXT_TOKENS, text_dim, generator=generator) for _ in range(2)]
-    return Inputs(latents.to(device), embeds[0].to(device, dtype), embeds[1].to(device, dtype))
+def build(settings: Settings, device: torch.device, dtype: torch.dtype):
+    """The transformer, and the pipeline whose VAE decodes (None without --decode)."""
+    if settings.decode:
+        pipe = builtin_models.build_pipeline(settings.model, device, dtype, seed=settings.seed)
+        return pipe.transformer, pipe
+    return builtin_models.build_transformer(settings.model, device, dtype, seed=settings.seed), None
 
 
-def make_scheduler(settings: Settings, device: torch.device):
-    """Wan's UniPC scheduler (the Wan 2.1 repos' scheduler_config.json) with the flow shift chosen."""
-    from diffusers import UniPCMultistepScheduler
-
-    scheduler = UniPCMultistepScheduler(**{**builtin_models.WAN_SCHEDULER, "flow_shift": settings.flow_shift})
-    scheduler.set_timesteps(settings.schedule_steps, device=device)
-    scheduler.set_begin_index(0)
-    return scheduler
-
-
-def denoise_step(transformer, scheduler, latents, index: int, inputs: Inputs, guidance_scale: float,
-                 dtype: torch.dtype, keep: dict | None = None) -> torch.Tensor:
-    """One step of WanPipeline.__call__'s loop (diffusers 0.42): cond and uncond forwards, combine, step."""
-    t = scheduler.timesteps[index]
-    latent_model_input = latents.to(dtype)
-    timestep = t.expand(latents.shape[0])
-    context = {"step_index": index, "sigma": float(scheduler.sigmas[index]),
-               "num_inference_steps": len(scheduler.timesteps)}
-    with transformer.cache_context("cond", **context):
-        noise_pred = transformer(hidden_states=latent_model_input, timestep=timestep,
-                                 encoder_hidden_states=inputs.prompt_embeds, return_dict=False)[0]
-    if keep is not None:
-        keep["cond"] = noise_pred
-    if guidance_scale > 1.0:  # WanPipeline.do_classifier_free_guidance
-        with transformer.cache_context("uncond", **context):
-            noise_uncond = transformer(hidden_states=latent_model_input, timestep=timestep,
-                                       encoder_hidden_states=inputs.negative_prompt_embeds, return_dict=False)[0]
-        noise_pred = noise_uncond + guidance_scale * (noise_pred - noise_uncond)
-    return scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+def decode(pipe, latents: torch.Tensor):
+    """uint8 ``(F, H, W, 3)`` frames from final latents, as WanPipeline decodes them."""
+    vae = pipe.vae
+    z = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
+    with torch.no_grad():
+        video = vae.decode(latents.to(vae.dtype) / inv_std + mean, return_dict=False)[0]
+    return metrics.to_uint8(pipe.video_processor.postprocess_video(video, output_type="np")[0])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class StepTimer:
-    """Seconds of one step: CUDA events on a GPU (synchronised at the end), perf_counter on a CPU."""
+class Timer:
+    """Seconds of a region: CUDA events on a GPU (read after a sync), perf_counter on a CPU."""
 
     def __init__(self, device: torch.device):
         self.device = device
 
     def __enter__(self):
-        _sync(self.device)
-        self.wall_start = time.perf_counter()
         if self.device.type == "cuda":
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
+        self.wall_start = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             self.end.record()
-        _sync(self.device)
-        self.wall = time.perf_counter() - self.wall_start
-        self.seconds = self.start.elapsed_time(self.end) / 1e3 if self.device.type == "cuda" else self.wall
+        self.wall_end = time.perf_counter()
         return False
+
+    @property
+    def seconds(self) -> float:
+        if self.device.type == "cuda":
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self.wall_end - self.wall_start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- attention share
@@ -413,7 +409,14 @@ def _kind(ev) -> str:
 
 
 def attention_share(prof, device: torch.device, wall_seconds: float, steps: int) -> dict:
-    """Attention time and share of the profiled steps (method in the module docstring)."""
+    """Attention time and share of profiled work.
+
+    On a GPU: the device time of the attention kernels (by name, ``ATTENTION_KERNEL``) over the
+    device time of every kernel; the outermost attention ops (``ATTENTION_OP``) tell self- from
+    cross-attention by their input shapes, and their ``device_time_total`` is kept as a
+    cross-check only (on torch 2.11 it overcounts: SDPA at 101 % of a step on the H200). On a
+    CPU: the ops' CPU time over the wall time.
+    """
     events = prof.events()
     on_gpu = device.type == "cuda"
     by_kind: dict[str, dict] = {}
@@ -430,233 +433,182 @@ def attention_share(prof, device: torch.device, wall_seconds: float, steps: int)
     result = {"profiled_steps": steps, "profiled_wall_seconds_per_step": wall_seconds / steps,
               "attention_seconds_per_step": total_attention / steps, "by_kind": by_kind}
     if on_gpu:
-        # Device-side work: kernels, memcpy, memset. GPU user annotations (ranges such as compiled
-        # graph markers) span kernels already counted, so they are left out.
-        # getattr: older torch releases (the GPU machine's) may lack these attributes.
+        # Kernels, memcpy, memset; GPU user annotations (compiled-graph ranges) span kernels already counted.
         kernels = [ev for ev in events if ev.device_type != torch.autograd.DeviceType.CPU
                    and not getattr(ev, "is_user_annotation", False)
                    and "annotation" not in str(getattr(ev, "activity_type", None) or "")]
         device_total = sum(ev.time_range.elapsed_us() for ev in kernels) / 1e6
         by_name = sum(ev.time_range.elapsed_us() for ev in kernels if ATTENTION_KERNEL.search(ev.name)) / 1e6
-        # The share is counted by kernel name. The ops' device_time_total (by_kind) overcounts on
-        # torch 2.11: on the H200 it gave SDPA 101 % of the step's device time (1.242 s of 1.225 s
-        # for Wan-1.3B), while by kernel name it was 56 %; the ops still tell self from cross.
         result.update(
-            method="device time of attention kernels (fsattn's Triton kernels, SDPA's flash/fmha/cuDNN kernels) / "
-                   "device time of all kernels, over the profiled steps; by_kind: the ops' device_time_total "
-                   "(overcounts on torch 2.11)",
-            device_seconds_per_step=device_total / steps,
-            attention_seconds_per_step=by_name / steps,
+            method="device time of attention kernels / device time of all kernels; by_kind: the ops' "
+                   "device_time_total (overcounts on torch 2.11)",
+            device_seconds_per_step=device_total / steps, attention_seconds_per_step=by_name / steps,
             attention_share=by_name / device_total if device_total else None,
             op_device_time_crosscheck={"attention_seconds_per_step": total_attention / steps,
                                        "attention_share": total_attention / device_total if device_total else None})
     else:
-        result.update(method="CPU time of the outermost attention ops / wall time of the profiled steps",
+        result.update(method="CPU time of the outermost attention ops / wall time",
                       attention_share=total_attention / wall_seconds if wall_seconds else None)
     return result
 
 
-# ----------------------------------------------------------------------------- one side
+# ----------------------------------------------------------------------------- one row
 
-def attention_processors(transformer) -> dict:
-    return dict(transformer.attn_processors)
+def active_attention_backend() -> str:
+    """The backend diffusers runs for processors that name none ("native" unless DIFFUSERS_ATTN_BACKEND says)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry  # read only
+
+    return _AttentionBackendRegistry.get_active_backend()[0].value
 
 
-def enable_fsattn(transformer, settings: Settings) -> str:
-    """Route attention to fsattn the way ``settings.fsattn_via`` says; returns a description."""
+def set_up_row(row: Row, transformer, settings: Settings, default_backend: str) -> str:
+    """Apply one row to the transformer; a description of what runs."""
     config = fsattn_diffusers.FSAttnConfig(**settings.fsattn_config) if settings.fsattn_config else None
-    if settings.fsattn_via == "apply":
+    backend = settings.baseline_backend or default_backend
+    if backend != default_backend:
+        transformer.set_attention_backend(backend)  # what fsattn falls back to, in the fsattn rows
+    if row.recipe:
+        options = {"backend": settings.compile_backend}
+        if settings.compile_mode:
+            options["mode"] = settings.compile_mode
+        fsattn_diffusers.apply_recipe(
+            transformer, fsattn=row.fsattn, fsattn_options={"config": config} if row.fsattn else None,
+            fuse_qkv=row.fuse, fp8_linear=row.fp8, compile=row.compile, dynamic=settings.dynamic,
+            compile_options=options if row.compile else None)
+    elif row.fsattn:
         fsattn_diffusers.apply_fsattn(transformer, config=config)
-        return "apply_fsattn(transformer)"
-    member = fsattn_diffusers.register_fsattn_backend(config=config)
-    transformer.set_attention_backend(member.value)
-    return "set_attention_backend('fsattn')"
+    attention = "fsattn" if row.fsattn else f"diffusers attention backend {backend!r}"
+    parts = [p for p, on in (("fused QKV", row.fuse), ("FP8 linear", row.fp8), ("compiled", row.compile)) if on]
+    return attention + (" + " + " + ".join(parts) if parts else "")
 
 
-def check_fsattn_route(settings: Settings) -> None:
-    """Refuse, before any side runs, a route to fsattn that context parallelism would refuse."""
-    if "fsattn" not in settings.sides or settings.fsattn_via != "backend":
-        return
-    if settings.ulysses_degree * settings.ring_degree == 1:
-        return
-    if not backend_supports_context_parallel(fsattn_diffusers.register_fsattn_backend()):
-        raise SystemExit("the 'fsattn' attention backend of this fsattn_diffusers is registered without context-"
-                         "parallel support, so diffusers refuses it under context parallelism. Run without "
-                         "--ulysses-degree/--ring-degree, or with --fsattn-via apply (whose calls then fall back to "
-                         "the native backend, counted in fsattn_stats: that would measure the baseline twice)")
+def tear_down_row(transformer, default_backend: str) -> None:
+    fsattn_diffusers.remove_recipe(transformer)
+    fsattn_diffusers.remove_fsattn(transformer)
+    if active_attention_backend() != default_backend:
+        # set_attention_backend also moved diffusers' process-wide backend, which reset leaves alone.
+        transformer.set_attention_backend(default_backend)
+    transformer.reset_attention_backend()
 
 
-def disable_fsattn(transformer, settings: Settings, previous_backend: str) -> None:
-    if settings.fsattn_via == "apply":
-        fsattn_diffusers.remove_fsattn(transformer)
-    else:
-        # set_attention_backend also changed diffusers' process-wide active backend, which
-        # reset_attention_backend leaves alone: put the previous one back first.
-        transformer.set_attention_backend(previous_backend)
-        transformer.reset_attention_backend()
-
-
-def run_side(side: str, transformer, inputs: Inputs, settings: Settings, group: Group, dtype: torch.dtype) -> dict:
-    """Warm-up, timed and profiled steps of one side over one schedule; the final latents in ``latents``."""
+def _counters() -> dict:
     from torch._dynamo.utils import counters
 
-    device = group.device
-    scheduler = make_scheduler(settings, device)
-    latents = inputs.latents.clone()
+    return {group: dict(counters[group]) for group in ("stats", "graph_break", "recompiles", "inductor",
+                                                       "aot_autograd")}
+
+
+def _counter_delta(before: dict, after: dict) -> dict:
+    keep = {"stats": ("unique_graphs",), "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss"),
+            "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
+    out = {f"{group}.{key}": after[group].get(key, 0) - before[group].get(key, 0)
+           for group, keys in keep.items() for key in keys}
+    out["graph_breaks"] = sum(after["graph_break"].values()) - sum(before["graph_break"].values())
+    return out
+
+
+def run_row(row: Row, transformer, loop: Loop, pipe, settings: Settings, device: torch.device,
+            default_backend: str) -> dict:
+    """One row: set up, first call, timed loop, quality material (``_output``, ``_latents``, ``_frames``)."""
+    torch._dynamo.reset()  # each row compiles from scratch (or from --cache-dir), never from an earlier row
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    memory_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-    graphs_before = counters["stats"]["unique_graphs"]
-    index = 0
-    warmup, steps = [], []
-    with torch.no_grad():  # as WanPipeline.__call__; not inference_mode (fsattn's stats counters must stay resettable)
-        for _ in range(settings.warmup_steps):
-            with StepTimer(device) as timer:
-                latents = denoise_step(transformer, scheduler, latents, index, inputs, settings.guidance_scale, dtype)
-            warmup.append(timer.wall)
-            index += 1
-        graphs_compiled = counters["stats"]["unique_graphs"] - graphs_before
-        fsattn_diffusers.reset_stats()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(settings.steps):
-            with StepTimer(device) as timer:
-                latents = denoise_step(transformer, scheduler, latents, index, inputs, settings.guidance_scale, dtype)
-            steps.append(timer.seconds)
-            index += 1
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        peak_reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
-        fsattn_stats = fsattn_diffusers.stats()
-        share = None
-        if settings.profile_steps:
-            activities = [torch.profiler.ProfilerActivity.CPU]
+    before = _counters()
+    start = time.perf_counter()
+    label = set_up_row(row, transformer, settings, default_backend)
+    setup_seconds = time.perf_counter() - start
+    scheduler = loop.scheduler()
+    with torch.no_grad():  # not inference_mode: fsattn's stats counters must stay resettable
+        _sync(device)
+        start = time.perf_counter()
+        output = loop.forward(transformer, loop.noise, scheduler.timesteps[0], 0)
+        _sync(device)
+        first_call = time.perf_counter() - start
+        result = {"row": row.name, "label": label, "setup_seconds": setup_seconds, "first_call_seconds": first_call,
+                  "_output": output.float().cpu()}
+        summary = fsattn_diffusers.recipe_summary(transformer)["model"]
+        result["recipe"] = None if summary is None else {
+            "fused_modules": summary["fused_modules"], "fp8_linear_layers": len(summary["fp8_linear"]),
+            "compiled_modules": summary["compiled_modules"]}
+        if not settings.first_call_only:
+            fsattn_diffusers.reset_stats()
             if device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-                with StepTimer(device) as timer:
-                    for _ in range(settings.profile_steps):
-                        latents = denoise_step(transformer, scheduler, latents, index, inputs,
-                                               settings.guidance_scale, dtype)
-                        index += 1
-            share = attention_share(prof, device, timer.wall, settings.profile_steps)
-            del prof
-    # Every rank times its own steps; a step of the group lasts as long as its slowest rank.
-    per_rank = group.gather({"rank": group.rank, "step_seconds": steps, "warmup_step_seconds": warmup,
-                             "peak_memory_bytes": peak, "peak_memory_reserved_bytes": peak_reserved})
-    step_seconds = [max(r["step_seconds"][i] for r in per_rank) for i in range(len(steps))]
-    warmup_seconds = [max(r["warmup_step_seconds"][i] for r in per_rank) for i in range(len(warmup))]
-    median = statistics.median(step_seconds)
-    result = {
-        "side": side,
-        "step_seconds": step_seconds,
-        "step_seconds_median": median,
-        "step_seconds_mean": statistics.fmean(step_seconds),
-        "step_seconds_min": min(step_seconds),
-        "warmup_step_seconds": warmup_seconds,
-        # The first warm-up step carries compile (and Triton/cuDNN set-up); a steady step is the median.
-        "compile_seconds_estimate": (warmup_seconds[0] - median) if settings.compile and warmup_seconds else None,
-        "graphs_compiled_in_warmup": graphs_compiled if settings.compile else None,
-        "peak_memory_bytes": None if peak is None else max(r["peak_memory_bytes"] for r in per_rank),
-        "peak_memory_reserved_bytes": None if peak is None else max(r["peak_memory_reserved_bytes"] for r in per_rank),
-        "memory_before_bytes": memory_before,
-        "fsattn_stats": fsattn_stats,
-        "attention": share,
-        "per_rank": per_rank if group.size > 1 else None,
-    }
-    result["latents"] = latents.float().cpu()
+                torch.cuda.reset_peak_memory_stats(device)
+            latents, forwards, steps = loop.noise.clone(), [], []
+            for index in range(settings.steps):
+                with Timer(device) as timer:
+                    latents = loop.step(transformer, scheduler, latents, index, forwards)
+                steps.append(timer)
+            step_seconds = [t.seconds for t in steps]
+            forward_seconds = [t.seconds for t in forwards]
+            result.update(
+                forward_seconds=forward_seconds, forward_seconds_median=statistics.median(forward_seconds),
+                step_seconds=step_seconds, step_seconds_median=statistics.median(step_seconds),
+                compile_seconds_estimate=first_call - statistics.median(forward_seconds),
+                peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                fsattn_stats=fsattn_diffusers.stats(), _latents=latents.float().cpu())
+            if pipe is not None:
+                result["_frames"] = decode(pipe, latents)
+            if settings.profile:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+                    with Timer(device) as timer:
+                        loop.forward(transformer, loop.noise, scheduler.timesteps[0], 0)
+                    wall = timer.seconds
+                result["attention"] = attention_share(prof, device, wall, 1)
+                del prof
+    result["dynamo"] = _counter_delta(before, _counters())
+    tear_down_row(transformer, default_backend)
     return result
 
 
-def run_fsattn_side(transformer, inputs: Inputs, settings: Settings, group: Group, dtype: torch.dtype,
-                    default_backend: str, check_restore_forward: bool) -> tuple[dict, dict]:
-    """The fsattn side between enabling and removing fsattn; and whether removing it restored the model."""
-    originals = attention_processors(transformer)
-    before = restore_forward_check(transformer, inputs, settings, group, dtype) if check_restore_forward else None
-    label = "fsattn via " + enable_fsattn(transformer, settings)
-    result = run_side("fsattn", transformer, inputs, settings, group, dtype)
-    result["label"] = label
-    disable_fsattn(transformer, settings, default_backend)
-    now = attention_processors(transformer)
-    restore = {
-        # remove_fsattn puts the very same processor objects back; the backend route only sets and
-        # resets their backend attribute, so the objects never change there.
-        "processors_restored": now.keys() == originals.keys() and all(now[k] is originals[k] for k in originals),
-        "backends_reset": all(getattr(p, "_attention_backend", None) is None for p in now.values())
-        and active_attention_backend() == default_backend,
-    }
-    if before is not None:
-        after = restore_forward_check(transformer, inputs, settings, group, dtype)
-        restore["forward_max_abs_difference"] = float((after - before).abs().max())
-        restore["forward_identical"] = bool(torch.equal(after, before))
-    return result, restore
+def quality(result: dict, reference: dict) -> dict:
+    """A row's outputs against the reference row's."""
+    out = {"output_cosine": metrics.cosine_similarity(result["_output"], reference["_output"])}
+    if "_latents" in result and "_latents" in reference:
+        error = metrics.attention_error(result["_latents"], reference["_latents"])
+        out.update(latents_cosine=error["cosine"], latents_rel_l1=error["rel_l1"])
+    if "_frames" in result and "_frames" in reference:
+        psnr = metrics.psnr_per_frame(reference["_frames"], result["_frames"])
+        ssim = metrics.ssim_per_frame(reference["_frames"], result["_frames"])
+        out.update(psnr_db=psnr.tolist(), psnr_db_summary=metrics.summarize(psnr), ssim=ssim.tolist(),
+                   ssim_summary=metrics.summarize(ssim))
+    return out
 
 
-def fsattn_side_warnings(result: dict, restore: dict) -> list[str]:
-    """What makes the fsattn side's numbers mean something else than they seem to."""
-    warnings = []
-    if not (restore["processors_restored"] and restore["backends_reset"] and restore.get("forward_identical", True)):
-        warnings.append(f"removing fsattn did not restore the transformer: {restore}")
-    stats = result["fsattn_stats"]
-    if sum(stats["calls"].values()) == 0:
-        warnings.append("the fsattn side made no fsattn call: it measured the original attention")
-    # "small_problem" is the size routing (FSAttnConfig.sdpa_below_flops), a choice, not a failure.
-    refused = {reason: n for reason, n in stats["sdpa_fallbacks"].items() if reason != "small_problem"}
-    if refused:
-        warnings.append(f"fsattn sent calls to SDPA instead (reason: calls): {refused}")
-    return warnings
-
-
-def restore_forward_check(transformer, inputs: Inputs, settings: Settings, group: Group, dtype) -> torch.Tensor:
-    """One conditional forward at the schedule's first timestep (for the remove_fsattn check)."""
-    scheduler = make_scheduler(settings, group.device)
-    keep: dict = {}
-    with torch.no_grad():
-        denoise_step(transformer, scheduler, inputs.latents, 0, inputs, 1.0, dtype, keep=keep)
-    return keep["cond"].float().cpu()
+def estimate_row_seconds(row: Row, done: list[dict], settings: Settings, forwards_per_step: int) -> float | None:
+    """Seconds a row would take, from the rows already run (None before any)."""
+    if not done:
+        return None
+    forward = max(r.get("forward_seconds_median") or r["first_call_seconds"] for r in done)
+    compiles = [r["first_call_seconds"] - (r.get("forward_seconds_median") or 0.0) for r in done
+                if r["row_parts"]["compile"]]
+    first = forward + (max(compiles) if compiles and row.compile else 0.0)
+    loop = 0.0 if settings.first_call_only else settings.steps * forwards_per_step * forward
+    return first + loop + max(r["setup_seconds"] for r in done)
 
 
 # ----------------------------------------------------------------------------- report
 
-def environment(device: torch.device, group: Group) -> dict:
+def environment(device: torch.device) -> dict:
     import diffusers
 
     info = {"torch": torch.__version__, "diffusers": diffusers.__version__,
             "fsattn_diffusers": fsattn_diffusers.__version__, "python": platform.python_version(),
-            "time": time.strftime("%Y-%m-%d %H:%M"), "device": str(device), "world_size": group.size,
-            "gpu": None, "capability": None, "triton": None}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
+            "time": time.strftime("%Y-%m-%d %H:%M"), "device": str(device), "gpu": None, "capability": None,
+            "cuda": None, "triton": None, "torchao": None}
+    for name in ("triton", "torchao"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            pass
     if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["capability"] = list(torch.cuda.get_device_capability(device))
-        info["cuda"] = torch.version.cuda
+        info.update(gpu=torch.cuda.get_device_name(device), capability=list(torch.cuda.get_device_capability(device)),
+                    cuda=torch.version.cuda)
     return info
-
-
-def fidelity(latents: torch.Tensor, reference: torch.Tensor) -> dict:
-    """fsattn's final latents against the baseline's: cosine, relative L1, RMSE, PSNR over the baseline's range."""
-    error = metrics.attention_error(latents, reference)
-    peak_to_peak = float(reference.max() - reference.min())
-    rmse = error["rmse"]
-    psnr = math.inf if rmse == 0 else 20 * math.log10(peak_to_peak / rmse)
-    return {"cosine": error["cosine"], "rel_l1": error["rel_l1"], "rmse": rmse, "max_abs": error["max_abs"],
-            "psnr_db": psnr, "psnr_peak_to_peak": peak_to_peak}
-
-
-def evaluate_targets(settings: Settings, device: torch.device, speedup, memory_ratio) -> dict:
-    """Issue 5's targets where they apply: the speed-up only at its (model, size) on a GPU, memory on any GPU."""
-    target = SPEEDUP_TARGETS.get((settings.model, settings.height, settings.width)) if device.type == "cuda" else None
-    return {
-        "speedup": target,
-        "speedup_met": None if target is None or speedup is None else speedup >= target,
-        "peak_memory_ratio": PEAK_MEMORY_TARGET,
-        "peak_memory_met": None if memory_ratio is None else memory_ratio <= PEAK_MEMORY_TARGET,
-    }
 
 
 def json_safe(value):
@@ -664,49 +616,36 @@ def json_safe(value):
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items() if not str(k).startswith("_")}
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
 
 
 def _gib(n):
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
-
-
-def _share(side):
-    a = side.get("attention")
-    if not a or a.get("attention_share") is None:
-        return "-"
-    return f"{100 * a['attention_share']:.1f} % ({a['attention_seconds_per_step']:.3f} s)"
+    return "-" if n is None else f"{n / 2**30:.2f}"
 
 
 def print_report(report: dict) -> None:
     cfg = report["config"]
     machine = report["environment"]["gpu"] or report["environment"]["device"]
     print(f"\n== bench_e2e: {cfg['model']} {cfg['height']}x{cfg['width']}, {cfg['frames']} frames "
-          f"({cfg['video_tokens']} tokens), {cfg['steps']} timed steps, CFG {cfg['guidance_scale']}"
-          f"{', compiled' if cfg['compile'] else ''} on {machine} ==")
-    rows = [("", "time/step median", "peak memory", "attention share (time/step)", "compile (s)")]
-    for name, side in report["sides"].items():
-        compile_s = side["compile_seconds_estimate"]
-        rows.append((name, f"{side['step_seconds_median']:.3f} s", _gib(side["peak_memory_bytes"]), _share(side),
-                     "-" if compile_s is None else f"{compile_s:.1f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(f"{c:<{w}}" for c, w in zip(r, widths)).rstrip())
-    if report["speedup"] is not None:
-        target = report["targets"]["speedup"]
-        verdict = "met" if report["targets"]["speedup_met"] else "NOT met"
-        print(f"speed-up per step (median): {report['speedup']:.3f}x"
-              + (f" (target >= {target}x: {verdict})" if target else ""))
-    if report["peak_memory_ratio"] is not None:
-        print(f"peak memory fsattn / baseline: {report['peak_memory_ratio']:.3f} (target <= {PEAK_MEMORY_TARGET}: "
-              f"{'met' if report['targets']['peak_memory_met'] else 'NOT met'})")
-    if report["fidelity"] is not None:
-        f = report["fidelity"]
-        print(f"final latents fsattn vs baseline: cos {f['cosine']:.6f}, rel-L1 {100 * f['rel_l1']:.2f} %, "
-              f"PSNR {f['psnr_db']:.1f} dB")
+          f"({cfg['video_tokens']} tokens), {cfg['steps']} steps, on {machine} ==")
+    head = ("row", "first call s", "forward s", "step s", "speed-up", "peak GiB", "out cos", "latents cos", "PSNR dB")
+    lines = [head]
+    for r in report["rows"]:
+        if r.get("skipped"):
+            lines.append((r["row"], "skipped: " + r["skipped"], "", "", "", "", "", "", ""))
+            continue
+        q = r.get("quality") or {}
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        lines.append((r["row"], fmt(r["first_call_seconds"], ".1f"), fmt(r.get("forward_seconds_median"), ".3f"),
+                      fmt(r.get("step_seconds_median"), ".3f"), fmt(r.get("speedup_per_step"), ".3f"),
+                      _gib(r.get("peak_memory_bytes")), fmt(q.get("output_cosine"), ".6f"),
+                      fmt(q.get("latents_cosine"), ".6f"), fmt((q.get("psnr_db_summary") or {}).get("mean"), ".1f")))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(f"{str(c):<{w}}" for c, w in zip(line, widths)).rstrip())
     for line in report["warnings"]:
         print("WARNING: " + line)
     for note in (report["note"], report["timing_note"]):
@@ -714,79 +653,90 @@ def print_report(report: dict) -> None:
             print("NOTE: " + note)
 
 
+def write_report(report: dict, out: str | None) -> None:
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+        with open(out + ".tmp", "w") as f:
+            json.dump(json_safe(report), f, indent=1, allow_nan=False)
+        os.replace(out + ".tmp", out)  # never a half-written file, even if a time box ends the process
+
+
+def use_cache_dir(cache_dir: str) -> dict:
+    """Point inductor's and Triton's on-disk caches at `cache_dir` (before anything compiles)."""
+    paths = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+             "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+    for key, path in paths.items():
+        os.makedirs(path, exist_ok=True)
+        os.environ[key] = path
+    return paths
+
+
 def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    settings, device, dtype = resolve_settings(parser, args)
-    group = Group(settings, device)
-    try:
-        return _run(settings, group, dtype, args.out, args.check_restore_forward)
-    finally:
-        group.close()
+    settings, rows, device, dtype = resolve_settings(parser, args)
+    if settings.cache_dir:
+        use_cache_dir(settings.cache_dir)
+    if args.cache_artifacts and os.path.exists(args.cache_artifacts):
+        with open(args.cache_artifacts, "rb") as f:
+            torch.compiler.load_cache_artifacts(f.read())
+    if settings.coordinate_descent_tuning:
+        import torch._inductor.config as inductor_config
 
-
-def _run(settings: Settings, group: Group, dtype: torch.dtype, out: str | None, check_restore_forward: bool) -> dict:
-    device = group.device
-    check_fsattn_route(settings)
-    transformer = builtin_models.build_transformer(settings.model, device=device, dtype=dtype, seed=settings.seed)
-    inputs = make_inputs(settings, transformer.config.text_dim, device, dtype)
-    if group.size > 1:
-        enable_context_parallelism(transformer, settings)
-    if settings.compile:
-        # Compiled once: apply_fsattn swaps processors, the guards fail and the fsattn side
-        # recompiles in its first warm-up step (graphs_compiled_in_warmup shows it).
-        if settings.compile_scope == "blocks":
-            transformer.compile_repeated_blocks(backend=settings.compile_backend)
-        else:
-            transformer.compile(backend=settings.compile_backend)
+        inductor_config.coordinate_descent_tuning = True
+        inductor_config.coordinate_descent_check_all_directions = True
+    started = time.perf_counter()
+    transformer, pipe = build(settings, device, dtype)
+    build_seconds = time.perf_counter() - started
+    loop = Loop(settings, transformer, device, dtype)
     default_backend = active_attention_backend()
-
-    sides, latents, warnings = {}, {}, []
-    restore = None
-    for side in settings.sides:
-        if side == "baseline":
-            result = run_side(side, transformer, inputs, settings, group, dtype)
-            result["label"] = f"diffusers default attention (backend {default_backend!r})"
-        else:
-            result, restore = run_fsattn_side(transformer, inputs, settings, group, dtype, default_backend,
-                                              check_restore_forward)
-            warnings += fsattn_side_warnings(result, restore)
-        latents[side] = result.pop("latents")
-        sides[side] = result
-
-    both = all(s in sides for s in SIDES)
-    speedup = sides["baseline"]["step_seconds_median"] / sides["fsattn"]["step_seconds_median"] if both else None
-    peaks = [sides[s]["peak_memory_bytes"] for s in SIDES if s in sides]
-    memory_ratio = peaks[1] / peaks[0] if both and None not in peaks else None
-    attention_speedup = None
-    if both and all(sides[s]["attention"] for s in SIDES):
-        fs_attention = sides["fsattn"]["attention"]["attention_seconds_per_step"]
-        if fs_attention:
-            attention_speedup = sides["baseline"]["attention"]["attention_seconds_per_step"] / fs_attention
     report = {
-        "benchmark": "bench_e2e",
-        "environment": environment(device, group),
-        "config": dataclasses.asdict(settings),
+        "benchmark": "bench_e2e", "environment": environment(device), "config": dataclasses.asdict(settings),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv) if __name__ == "__main__" else None,
-        "order": list(settings.sides),
-        "note": SCOPE_NOTE + " " + builtin_models.RANDOM_WEIGHTS_NOTE.format(name=settings.model),
-        "timing_note": CPU_TIMING_NOTE if device.type == "cpu" else None,
-        "sides": sides,
-        "speedup": speedup,
-        "attention_speedup": attention_speedup,
-        "peak_memory_ratio": memory_ratio,
-        "fidelity": fidelity(latents["fsattn"], latents["baseline"]) if both else None,
-        "restore_check": restore,
-        "targets": evaluate_targets(settings, device, speedup, memory_ratio),
-        "warnings": warnings,
+        "build_seconds": build_seconds, "forwards_per_step": len(loop.conditions), "rows": [],
+        "note": builtin_models.RANDOM_WEIGHTS_NOTE.format(name=settings.model),
+        "timing_note": CPU_TIMING_NOTE if device.type == "cpu" else None, "warnings": [],
     }
-    if group.is_main:
-        print_report(report)
-        if out:
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            with open(out, "w") as f:
-                json.dump(json_safe(report), f, indent=1, allow_nan=False)
-            print(f"results: {out}")
+    reference = None  # the first row run: "default" whenever it is among the rows
+    done = []
+    for row in rows:
+        estimate = estimate_row_seconds(row, done, settings, len(loop.conditions))
+        elapsed = time.perf_counter() - started
+        if settings.budget_s is not None and estimate is not None and elapsed + estimate > settings.budget_s:
+            why = f"estimated {estimate:.0f} s after {elapsed:.0f} s would pass --budget-s {settings.budget_s:.0f}"
+            report["rows"].append({"row": row.name, "skipped": why})
+            write_report(report, args.out)
+            continue
+        result = run_row(row, transformer, loop, pipe, settings, device, default_backend)
+        result["row_parts"] = dataclasses.asdict(row)
+        reference = reference or result
+        result["reference_row"] = reference["row"]
+        result["quality"] = quality(result, reference)
+        if result is not reference:
+            for key in ("_output", "_latents", "_frames"):  # only the reference's are needed later
+                result.pop(key, None)
+        if "step_seconds_median" in result and "step_seconds_median" in reference:
+            result["speedup_per_forward"] = reference["forward_seconds_median"] / result["forward_seconds_median"]
+            result["speedup_per_step"] = reference["step_seconds_median"] / result["step_seconds_median"]
+        if result["dynamo"]["graph_breaks"]:
+            report["warnings"].append(f"row {row.name}: {result['dynamo']['graph_breaks']} graph breaks")
+        refused = {k: v for k, v in (result.get("fsattn_stats") or {}).get("sdpa_fallbacks", {}).items()
+                   if k != "small_problem"}
+        if refused:
+            report["warnings"].append(f"row {row.name}: fsattn sent calls to SDPA instead: {refused}")
+        done.append(result)
+        report["rows"].append(result)
+        write_report(report, args.out)
+    if args.cache_artifacts:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            with open(args.cache_artifacts, "wb") as f:
+                f.write(saved[0])
+    report["total_seconds"] = time.perf_counter() - started
+    write_report(report, args.out)
+    print_report(report)
+    if args.out:
+        print(f"results: {args.out}")
     return report
 
 

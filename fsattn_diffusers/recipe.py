@@ -269,7 +269,12 @@ def _fuse(model, state: _RecipeState) -> None:
     state.processors_before_fusion = [(m, m.processor) for m in modules]
     state.model_attrs_before_fusion = {"original_attn_processors": model.__dict__.get("original_attn_processors",
                                                                                        _MISSING)}
-    fuse()
+    try:
+        fuse()
+    except ValueError as exc:  # diffusers refuses some models (added KV projections): no fusion there
+        refused = exc
+    else:
+        refused = None
     ignored = 0
     for module in modules:
         children, flag = before[id(module)]
@@ -277,12 +282,16 @@ def _fuse(model, state: _RecipeState) -> None:
         if not added:
             continue
         record = _FusedModule(module, added, flag)
-        if not _reads_fused_layers(module.processor):
+        if refused is not None or not _reads_fused_layers(module.processor):
             _unfuse_module(record)  # its processor would never run the fused layers: they would only cost memory
             ignored += 1
             continue
         _share_fused_storage(module, added)
         state.fused.append(record)
+    if refused is not None:
+        _unfuse(model, state)
+        logger.info("apply_recipe: %s: QKV projections stay separate (%s)", type(model).__name__, refused)
+        return
     logger.info("apply_recipe: %s: %d attention modules with fused projections%s", type(model).__name__,
                 len(state.fused), f" ({ignored} left unfused: their processors read separate projections)"
                 if ignored else "")

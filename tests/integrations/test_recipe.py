@@ -255,6 +255,23 @@ def test_fused_projections_share_the_fused_weight():
     assert not any(hasattr(m, "to_qkv") for _, m in attention_modules(hunyuan))  # nothing fused, nothing allocated
 
 
+def test_a_model_whose_fusion_diffusers_refuses_keeps_separate_projections():
+    # diffusers' fuse_qkv_projections() raises ValueError for models with added KV projections;
+    # here it fuses one module before raising, which must be undone too.
+    model, inputs = BUILDERS["wan_t2v"]()
+    reference = run(model, inputs)
+
+    def refuse():
+        model.blocks[0].attn1.fuse_projections()
+        raise ValueError("`fuse_qkv_projections()` is not supported for models having added KV projections.")
+
+    model.fuse_qkv_projections = refuse
+    apply_recipe(model, fsattn=False, fp8_linear=False, compile=False)
+    assert recipe_summary(model)["model"]["fused_modules"] == 0
+    assert not any(hasattr(m, "to_qkv") or getattr(m, "fused_projections", False) for _, m in attention_modules(model))
+    assert torch.equal(run(model, inputs), reference)
+
+
 @pytest.mark.parametrize("dynamic, graphs", [(None, 2), (False, 3), (True, 2)])
 def test_recompiles_at_new_resolutions_are_bounded_by_dynamic(dynamic, graphs):
     # Three latent sizes: None compiles the first statically and the second with dynamic shapes, which
