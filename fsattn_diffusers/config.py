@@ -218,12 +218,3 @@ class FSAttnConfig:
 
 DEFAULT_CONFIG = FSAttnConfig()
 
-
-def uses_frozen_max(config: FSAttnConfig, n_key_tiles: int) -> bool:
-    """Whether the speculative frozen max runs, given the number of key tiles.
-
-    Sampling costs two score tiles per query tile; with few key tiles that is most of the work
-    and the rescaling it saves is small, so short key sequences (cross-attention to text) take
-    the online softmax.
-    """
-    return config.max_policy == "sampled" and n_key_tiles > 4

@@ -1,15 +1,11 @@
-"""The "fsattn" attention backend for diffusers, and the per-call fallback policy every route shares.
+"""The "fsattn" attention backend for diffusers, and fsattn under diffusers' context parallelism.
 
 This is the only module that touches diffusers' private attention registry
 (``diffusers.models.attention_dispatch``). :func:`register_fsattn_backend` adds the name
 ``"fsattn"`` to ``AttentionBackendName`` (a closed ``str`` Enum) and registers
 :func:`_fsattn_attention` under it, so that ``model.set_attention_backend("fsattn")`` and
-``with attention_backend("fsattn"):`` work.
-
-:func:`attention_or_fallback` decides, per call, whether fsattn can take an attention call and
-sends the rest to the call the model would have made anyway (SDPA, or the backend it chose): it
-logs each (caller, reason) once, counts every fallback in :func:`fsattn_diffusers.stats`, and in
-strict mode raises instead.
+``with attention_backend("fsattn"):`` work. Which calls fsattn takes is decided as on every route,
+by :mod:`fsattn_diffusers.routing`.
 
 Under diffusers' context parallelism (``model.enable_parallelism(config=ContextParallelConfig(...))``:
 Ulysses, ring, or both), :func:`context_parallel_attention` hands fsattn to diffusers' own
@@ -26,11 +22,10 @@ import threading
 
 import torch
 
-from .attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, UnsupportedInputError, fsattn
-from .config import DEFAULT_CONFIG, FSAttnConfig
-from .ops import kernels_available
-# Not `from . import stats`: the package rebinds that name to the stats() function.
-from .stats import record_sdpa_fallback
+from .attention import UnsupportedInputError, exact_attention, fsattn, refusal
+from .config import FSAttnConfig
+from .routing import (as_key_padding_mask, attention_or_fallback, note_backend, note_fallback, run_small_call,
+                      too_small_for_fsattn)
 
 logger = logging.getLogger("fsattn_diffusers")
 
@@ -41,154 +36,6 @@ _register_lock = threading.Lock()
 # registration found (diffusers' set_attention_backend also makes its backend the process-wide one,
 # which its reset_attention_backend does not undo: remove_fsattn puts this one back).
 _backend_options = {"config": None, "strict": False, "active_before": None}
-_logged: set[tuple[str, str]] = set()
-
-
-# ----------------------------------------------------------------------------- fallback policy
-
-
-def fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False,
-                    layout="NHD"):
-    """Why fsattn must not take this call, as ``(reason, detail)``, or ``(None, "")``.
-
-    Uses the reason keys of :class:`UnsupportedInputError`. Head dims and masks are checked here
-    too, although fsattn raises for them, because torch.compile cannot trace the raising of that
-    error: a call that fsattn would refuse must never reach it inside a compiled graph.
-    """
-    if dropout_p:
-        return "dropout", f"dropout_p={dropout_p} (fsattn is inference-only and has no dropout)"
-    if is_causal:
-        return "is_causal", "is_causal=True (fsattn computes non-causal attention only)"
-    for t in (query, key, value):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            return "not_4d", f"an input of shape {shape} (fsattn takes 4-D query, key and value)"
-        if t.dtype not in SUPPORTED_DTYPES:
-            return "dtype", f"dtype {t.dtype} (fsattn takes bfloat16, float16 or float32)"
-    head_axis = 2 if layout == "NHD" else 1
-    seq_q = query.shape[1 if layout == "NHD" else 2]
-    if query.shape[-1] > MAX_HEAD_DIM:
-        return "head_dim", f"head dim {query.shape[-1]} (fsattn takes at most {MAX_HEAD_DIM})"
-    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() <= 4:
-        full = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
-        if (full[1] != 1 and query.shape[head_axis] != 1) or (full[2] != 1 and seq_q != 1):
-            return "general_mask", (f"attn_mask of shape {tuple(attn_mask.shape)} varies over heads or queries "
-                                    "(fsattn takes key-padding masks broadcastable to (B, 1, 1, Sk))")
-    if query.shape[head_axis] != key.shape[head_axis] and not enable_gqa:
-        # SDPA refuses unequal head counts unless enable_gqa=True; keep its behaviour.
-        return "heads_mismatch", f"{query.shape[head_axis]} query heads, {key.shape[head_axis]} key heads, enable_gqa=False"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return "autograd", "inputs that require grad (fsattn is forward-only; use torch.no_grad() for inference)"
-    ok, reason = kernels_available(query.device)
-    if not ok:
-        return reason, f"no fsattn kernels for {query.device} ({reason})"
-    return None, ""
-
-
-def as_key_padding_mask(attn_mask, query, key):
-    """A 2-D ``(batch, keys)`` mask as ``(batch, 1, 1, keys)`` (diffusers' convention, as in its
-    native backend); any other mask as it is. Tensors are ``(B, S, H, D)``."""
-    if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
-            and attn_mask.shape[1] == key.shape[1]):
-        return attn_mask[:, None, None, :]
-    return attn_mask
-
-
-# Devices where small calls go to SDPA: the threshold was measured on CUDA GPUs (H200).
-ROUTED_DEVICE_TYPES = ("cuda",)
-
-
-def too_small_for_fsattn(query, key, layout, config, work_factor: int = 1) -> bool:
-    """Whether SDPA beats fsattn at this size (a CUDA call under ``config.sdpa_below_flops`` FLOPs).
-
-    `work_factor` scales the FLOPs of the given shapes to those of the call that will run (under
-    Ulysses of degree u, a rank's shards become u times the sequence over 1/u of the heads: u
-    times the work).
-    """
-    if query.device.type not in ROUTED_DEVICE_TYPES:
-        return False  # the CPU emulation is a stand-in for the GPU kernel, not a speed choice
-    threshold = (config if config is not None else DEFAULT_CONFIG).sdpa_below_flops
-    return attention_flops(query, key, layout) * work_factor < threshold
-
-
-def _run_small_call(where: str, backend: str, fallback):
-    """Run a call below ``sdpa_below_flops`` on `fallback`. A performance choice, not a refusal:
-    strict mode does not object, it is logged at info, and counted as ``small_problem``."""
-    note_backend(where + " (below FSAttnConfig.sdpa_below_flops)", backend)
-    if not torch.compiler.is_compiling():
-        record_sdpa_fallback("small_problem")
-    return fallback()
-
-
-def attention_flops(query, key, layout) -> float:
-    """``4 * B * Hq * Sq * Sk * D``: the two GEMMs of non-causal attention."""
-    seq_axis = 1 if layout == "NHD" else 2
-    heads = query.shape[3 - seq_axis]
-    return 4.0 * query.shape[0] * heads * query.shape[seq_axis] * key.shape[seq_axis] * query.shape[3]
-
-
-def attention_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, layout,
-                          config, strict, where, fallback):
-    """Run one attention call with fsattn, or with `fallback` (a no-argument callable) where it cannot.
-
-    Parameters
-    ----------
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-        The arguments of the attention call, as SDPA names them; tensors in `layout`.
-    layout : {"NHD", "HND"}
-        ``(B, S, H, D)`` as diffusers' dispatcher passes them, or ``(B, H, S, D)`` as SDPA takes them.
-    config : FSAttnConfig or None
-    strict : bool
-        Raise :class:`UnsupportedInputError` instead of falling back.
-    where : str
-        Names the caller (module class and kind of attention) in log lines and errors.
-    fallback : callable
-        Makes the call the model would have made without fsattn, with the original arguments.
-    """
-    reason, detail = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, layout)
-    if reason is None and too_small_for_fsattn(query, key, layout, config):
-        return _run_small_call(where, "SDPA", fallback)
-    if reason is None:
-        try:
-            out = fsattn(query, key, value, attn_mask=attn_mask, scale=scale, layout=layout, config=config)
-        except UnsupportedInputError as err:
-            reason, detail = err.reason, str(err)
-        else:
-            note_backend(where, "fsattn")
-            return out
-    if strict:
-        raise UnsupportedInputError(
-            reason, f"{where}: fsattn cannot run this attention call: {detail}. strict=True forbids the SDPA "
-            "fallback; pass strict=False to let such calls run on SDPA (logged once, counted in stats())")
-    note_fallback(where, reason, detail)
-    return fallback()
-
-
-def note_backend(where: str, backend: str) -> None:
-    """Log, once per (caller, backend), which backend a kind of attention runs on."""
-    # Under torch.compile this runs once, while tracing; logging from traced code would break the graph.
-    if torch.compiler.is_compiling():
-        return
-    key = (where, backend)
-    if key not in _logged:
-        _logged.add(key)
-        logger.info("fsattn: %s runs on %s", where, backend)
-
-
-def note_fallback(where: str, reason: str, detail: str) -> None:
-    """Count one SDPA fallback by reason; log it once per (caller, reason)."""
-    if torch.compiler.is_compiling():
-        return  # counted per call only in eager mode (see note_backend)
-    record_sdpa_fallback(reason)
-    key = (where, "fallback:" + reason)
-    if key not in _logged:
-        _logged.add(key)
-        logger.warning("fsattn: %s runs on SDPA instead of fsattn (reason: %s): %s", where, reason, detail)
-
-
-def reset_logged() -> None:
-    """Forget which one-time log lines were written (tests use this to see them again)."""
-    _logged.clear()
 
 
 # ----------------------------------------------------------------------------- the backend
@@ -233,11 +80,12 @@ _fsattn_attention._fsattn_diffusers_backend = True  # marks our function across 
 
 def context_parallel_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                      enable_gqa=False, *, ring_degree=1):
-    """Why fsattn must not take this context-parallel call, as ``(reason, detail)``, or ``(None, "")``.
+    """Why fsattn must not take this context-parallel call, as ``(reason, detail)``, or None.
 
-    :func:`fallback_reason`, plus what diffusers' templated attention refuses (grouped-query
-    attention) and masks under a ring. Depends only on what every rank shares (shapes, dtypes,
-    flags, degrees), so all ranks take the same path and make the same collective calls.
+    :func:`~fsattn_diffusers.attention.refusal`, plus what diffusers' templated attention refuses
+    (grouped-query attention) and masks under a ring. Depends only on what every rank shares
+    (shapes, dtypes, flags, degrees), so all ranks take the same path and make the same collective
+    calls.
     """
     if enable_gqa or (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == key.dim() == 4
                       and query.shape[2] != key.shape[2]):
@@ -249,7 +97,8 @@ def context_parallel_fallback_reason(query, key, value, attn_mask=None, dropout_
         # The ring's exact fallback op is forward-only too: no backend here can train through a ring.
         return "cp_ring_autograd", ("inputs that require grad under ring attention (fsattn and its exact "
                                     "fallback op are forward-only; use torch.no_grad() for inference)")
-    return fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, "NHD")
+    return refusal(query, key, value, attn_mask, layout="NHD", dropout_p=dropout_p, is_causal=is_causal,
+                   enable_gqa=enable_gqa)
 
 
 # Reasons no fallback can serve under context parallelism (see context_parallel_attention).
@@ -294,8 +143,9 @@ def context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causa
 
     ring_degree = parallel_config.context_parallel_config.ring_degree
     attn_mask = as_key_padding_mask(attn_mask, query, key)
-    reason, detail = context_parallel_fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
-                                                      ring_degree=ring_degree)
+    found = context_parallel_fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                                             ring_degree=ring_degree)
+    reason, detail = found if found is not None else (None, "")
 
     def templated(forward_op):
         return _templated_context_parallel_attention(
@@ -307,7 +157,7 @@ def context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causa
         # Ulysses gathers the whole sequence, so this rank's problem is the full-length one over
         # fewer heads; when even that is small, the original backend's own path is faster. (A ring
         # needs the LSE, which diffusers' native op cannot give: it stays on fsattn.)
-        return _run_small_call(where, "the original backend", fallback)
+        return run_small_call(where, "the original backend", fallback)
     if reason is None:
         note_backend(where, "fsattn")
         return templated(functools.partial(_fsattn_forward_op, config=config))
@@ -363,36 +213,18 @@ def _fsattn_backward_op(ctx, grad_out, *args, **kwargs):
                               "backward pass")
 
 
-_LSE_ROWS = 1024  # query rows whose scores _sdpa_forward_op materialises at once, to bound memory
-
-
 def _sdpa_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                      enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
-    """Exact attention as a templated context-parallel forward op, with the LSE a ring needs.
-
-    SDPA gives the output; the natural-log LSE, float32 ``(B, S, H)``, is computed from the
-    scores in blocks of query rows (diffusers' native op returns none, so it cannot run a ring).
-    Forward-only, like fsattn's op: it is the ring's fallback for calls fsattn cannot take.
-    """
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                           scale=scale).transpose(1, 2)
+    """Exact attention as a templated context-parallel forward op, with the LSE a ring needs
+    (diffusers' native op returns none, so it cannot run a ring): the ring's op for calls fsattn
+    refuses. Tensors ``(B, S, H, D)``; the LSE float32 ``(B, S, H)``. Forward-only, like fsattn's op."""
+    if dropout_p or is_causal:
+        raise UnsupportedInputError("is_causal" if is_causal else "dropout",
+                                    "the exact context-parallel forward takes neither dropout nor causal masks")
     if not return_lse:
-        return out
-    # A ring never passes a mask here (context_parallel_attention refuses masks under a ring);
-    # the LSE below would ignore one.
-    assert attn_mask is None, "_sdpa_forward_op computes the LSE of unmasked attention only"
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    # One (batch, head) at a time and _LSE_ROWS query rows at a time: the float32 scores of a block
-    # stay at _LSE_ROWS x S_k (155 MB at Wan-14B 720p's 37800 keys per ring chunk).
-    for b in range(q.shape[0]):
-        for h in range(q.shape[1]):
-            kf = k[b, h].float().transpose(0, 1)
-            for i0 in range(0, q.shape[2], _LSE_ROWS):
-                s = torch.matmul(q[b, h, i0:i0 + _LSE_ROWS].float(), kf) * scale
-                lse[b, h, i0:i0 + _LSE_ROWS] = torch.logsumexp(s, dim=-1)
-    return out, lse.transpose(1, 2)
+        return exact_attention(query, key, value, attn_mask, scale=scale)
+    out, lse = exact_attention(query, key, value, attn_mask, scale=scale, return_lse=True)
+    return out, lse.permute(0, 2, 1)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -507,5 +339,4 @@ def reset_fsattn_backend(model) -> bool:
     return changed
 
 
-__all__ = ["BACKEND_NAME", "attention_or_fallback", "context_parallel_attention", "register_fsattn_backend",
-           "reset_fsattn_backend"]
+__all__ = ["BACKEND_NAME", "context_parallel_attention", "register_fsattn_backend", "reset_fsattn_backend"]

@@ -32,8 +32,8 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from . import families
 from .attention import UnsupportedInputError
 from .config import FSAttnConfig
-from .diffusers_backend import (as_key_padding_mask, attention_or_fallback, context_parallel_attention,
-                                note_fallback)
+from .diffusers_backend import context_parallel_attention
+from .routing import as_key_padding_mask, attention_or_fallback, note_fallback
 
 # Set on generic attention modules once the processor diffusers gives them is known.
 OWN_PROCESSOR_ATTR = "_fsattn_own_processor_cls"

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from .config import FSAttnConfig, uses_frozen_max
+from .config import FSAttnConfig
+from .plan import MIN_TILES_FOR_FROZEN_MAX
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -198,7 +199,7 @@ def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_
         if bias is not None:
             x_raw = x_raw + bias[:, None, None, :]
         pv = _PV(v_lo, w_pad, config, low, block_m)
-        if uses_frozen_max(config, n_tiles):
+        if config.max_policy == "sampled" and n_tiles >= MIN_TILES_FOR_FROZEN_MAX:
             first_block = i0 // block_m  # i0 is a multiple of block_m: local blocks are the kernel's tiles
             o, l_sum, shift, block_flag, redo = _frozen_pass(x_raw, pv, first_block, n_q_blocks, config, block_n)
             violated_tiles += int(block_flag.sum())

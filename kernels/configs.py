@@ -39,6 +39,12 @@ GLUON_WS_STAGES = 4
 # before the GEMM issue three on 64 were 2-4 % faster (NOTES v10); with it after the issue, two on
 # 128 measured 1-3 % faster than three on 64 at all four benchmark shapes (NOTES v11 (d)).
 GLUON_WS_BLOCK_N = 128
+# What the warp-specialised kernel covers: 64-row consumer warpgroups (one m64 wgmma each); three
+# consumers on 64-key tiles or two on 128-key tiles (three have too few registers for 128 keys);
+# the ring stages that fit shared memory (~17 KB per stage at 64 keys, ~34 KB at 128).
+GLUON_WS_ROWS = 64
+GLUON_WS_CONSUMERS = {64: 3, 128: 2}
+GLUON_WS_MAX_STAGES = {64: 8, 128: 4}
 # Ada (sm_89) and Blackwell run the same kernel; these are conservative, correct choices.
 _GENERIC = LaunchConfig(64, 64, 4, 2)
 # The Triton interpreter (CPU tests) wants small tiles to stay quick.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fsattn_diffusers
-from fsattn_diffusers import diffusers_backend
+from fsattn_diffusers import routing
 
 
 def _seeded(seed=0):
@@ -179,7 +179,7 @@ def cosine(a, b):
 def fresh_counters():
     """Every test starts with zero counters and will see its one-time log lines."""
     fsattn_diffusers.reset_stats()
-    diffusers_backend.reset_logged()
+    routing.reset_logged()
     yield
 
 

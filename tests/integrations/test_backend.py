@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import fsattn_diffusers
 from fsattn_diffusers import FSAttnConfig, UnsupportedInputError, fsattn, register_fsattn_backend
-from fsattn_diffusers import diffusers_backend
+from fsattn_diffusers import diffusers_backend, routing
 from fsattn_diffusers.diffusers_backend import add_enum_member
 from fsattn_diffusers.reference import attention_reference
 
@@ -215,14 +215,14 @@ def test_attention_flops_counts_both_gemms_in_either_layout():
     q = torch.empty(2, 300, 6, 64, device="meta")
     k = torch.empty(2, 77, 6, 64, device="meta")
     want = 4.0 * 2 * 6 * 300 * 77 * 64
-    assert diffusers_backend.attention_flops(q, k, "NHD") == want
-    assert diffusers_backend.attention_flops(q.transpose(1, 2), k.transpose(1, 2), "HND") == want
+    assert routing.attention_flops(q, k, "NHD") == want
+    assert routing.attention_flops(q.transpose(1, 2), k.transpose(1, 2), "HND") == want
 
 
 def test_size_routing_threshold_defaults_and_ulysses_work_factor(monkeypatch):
     # Shapes on the meta device, routed as CUDA would be: the real comparison, no GPU needed.
-    monkeypatch.setattr(diffusers_backend, "ROUTED_DEVICE_TYPES", ("meta",))
-    too_small = diffusers_backend.too_small_for_fsattn
+    monkeypatch.setattr(routing, "ROUTED_DEVICE_TYPES", ("meta",))
+    too_small = routing.too_small_for_fsattn
     video = torch.empty(1, 32760, 12, 128, device="meta")
     text = torch.empty(1, 512, 12, 128, device="meta")
     assert too_small(video, text, "NHD", None)  # Wan cross-attention, 1.0e11 FLOPs < 1e12 (default)
@@ -230,7 +230,7 @@ def test_size_routing_threshold_defaults_and_ulysses_work_factor(monkeypatch):
     assert not too_small(video.transpose(1, 2), text.transpose(1, 2), "HND", FSAttnConfig(sdpa_below_flops=0))
     # 7.4e11 FLOPs of shards: small alone, not once Ulysses of degree 2 has made it 1.5e12 per rank.
     shard = torch.empty(1, 11000, 12, 128, device="meta")
-    assert diffusers_backend.attention_flops(shard, shard, "NHD") == 4.0 * 12 * 11000 ** 2 * 128  # 7.4e11
+    assert routing.attention_flops(shard, shard, "NHD") == 4.0 * 12 * 11000 ** 2 * 128  # 7.4e11
     assert too_small(shard, shard, "NHD", None, work_factor=1)
     assert not too_small(shard, shard, "NHD", None, work_factor=2)
 
@@ -238,7 +238,7 @@ def test_size_routing_threshold_defaults_and_ulysses_work_factor(monkeypatch):
 def test_size_routing_applies_to_cuda_tensors_only():
     # On CPU the emulation stands in for the GPU kernel: every call must reach it, however small.
     q, k, _ = _qkv()
-    assert not diffusers_backend.too_small_for_fsattn(q, k, "NHD", FSAttnConfig(sdpa_below_flops=1e30))
+    assert not routing.too_small_for_fsattn(q, k, "NHD", FSAttnConfig(sdpa_below_flops=1e30))
 
 
 def test_small_calls_run_the_original_attention_counted_not_warned_even_when_strict(caplog, monkeypatch):
@@ -246,11 +246,11 @@ def test_small_calls_run_the_original_attention_counted_not_warned_even_when_str
 
     def pretend_cuda_threshold(query, key, layout, config, work_factor=1):
         calls.append(config.sdpa_below_flops)
-        return diffusers_backend.attention_flops(query, key, layout) * work_factor < config.sdpa_below_flops
+        return routing.attention_flops(query, key, layout) * work_factor < config.sdpa_below_flops
 
-    monkeypatch.setattr(diffusers_backend, "too_small_for_fsattn", pretend_cuda_threshold)
+    monkeypatch.setattr(routing, "too_small_for_fsattn", pretend_cuda_threshold)
     q, k, v = _qkv()
-    flops = diffusers_backend.attention_flops(q, k, "NHD")
+    flops = routing.attention_flops(q, k, "NHD")
     native = _dispatch(q, k, v, backend="native")
     member = register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=flops * 2), strict=True)
     try:

@@ -30,11 +30,12 @@ def kernel_path(monkeypatch):
 
 def _emulate(q, k, v, mask, cfg, layout="NHD", scale=None):
     """The emulation with the tiles the kernel used (its output in (B, S, H, D))."""
-    from fsattn_diffusers.attention import _key_mask
+    from fsattn_diffusers.attention import key_mask
 
     qb, kb, vb = (t if layout == "NHD" else t.transpose(1, 2) for t in (q, k, v))
-    launch = fsattn_ops.launch_config(cfg, q.device, qb.shape[-1])
-    weight, bias = _key_mask(mask, qb.shape[0], qb.shape[2], qb.shape[1], kb.shape[1], q.device)
+    weight, bias = key_mask(mask, qb, kb)
+    # The Triton kernel's tiles on this device (the emulation models that kernel).
+    launch = fsattn_ops.call_plan(cfg.replace(kernel="triton"), q.device, qb.shape[-1], bias is not None, q.dtype)
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
     return emulate_fsattn(qb, kb, vb, scale=scale, config=cfg, block_m=launch.block_m, block_n=launch.block_n,
                           key_weight=weight, key_bias=bias)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsattn_diffusers import FSAttnConfig, fsattn
-from fsattn_diffusers import ops as fsattn_ops
+from fsattn_diffusers import plan as planning
 from fsattn_diffusers.metrics import cosine_similarity as cosine
 from fsattn_diffusers.metrics import relative_l1 as rel_l1
 from fsattn_diffusers.reference import attention_reference
@@ -35,10 +35,11 @@ def kernel(request):
 def gluon_calls(monkeypatch, kernel):
     """Count launches of the Gluon kernel under test, so a test knows which kernel ran."""
     module_name, launcher = GLUON_KERNELS[kernel]
-    module = fsattn_ops._gluon_module(module_name)
+    module = planning.gluon_module(module_name)
     # A kernel that failed to compile would hand its calls to the Triton kernel (and stay off):
     # start clean, and count a launch only once it has returned.
-    monkeypatch.setattr(fsattn_ops, "_DISABLED_GLUON", set())
+    monkeypatch.setattr(planning, "_DISABLED_GLUON", set())
+    planning._plan.cache_clear()
     calls = []
     real = getattr(module, launcher)
 
@@ -49,7 +50,7 @@ def gluon_calls(monkeypatch, kernel):
 
     monkeypatch.setattr(module, launcher, counted)
     yield calls
-    assert fsattn_ops._DISABLED_GLUON == set(), "a Gluon kernel failed to compile and was switched off"
+    assert planning._DISABLED_GLUON == set(), "a Gluon kernel failed to compile and was switched off"
 
 
 # (batch, seq_q, seq_k, q heads, kv heads, head dim): partial last tiles, one key tile, fewer tiles
@@ -168,14 +169,15 @@ def test_configs_the_gluon_kernel_does_not_cover_run_on_triton(kernel, gluon_cal
     float_mask = torch.zeros(1, 1, 1, 1024, device="cuda")
     fsattn(q, q, q, attn_mask=float_mask, config=FSAttnConfig(kernel=kernel))
     assert gluon_calls == []
-    assert fsattn_ops._gluon_module(GLUON_KERNELS[kernel][0]) is not None
+    assert planning.gluon_module(GLUON_KERNELS[kernel][0]) is not None
 
 
 def test_auto_runs_the_warp_specialised_kernel_at_head_dim_128_only(monkeypatch):
-    monkeypatch.setattr(fsattn_ops, "_DISABLED_GLUON", set())
+    monkeypatch.setattr(planning, "_DISABLED_GLUON", set())
+    planning._plan.cache_clear()
     calls = {}
     for name, (module_name, launcher) in GLUON_KERNELS.items():
-        module = fsattn_ops._gluon_module(module_name)
+        module = planning.gluon_module(module_name)
         real = getattr(module, launcher)
 
         def counted(*args, _name=name, _real=real, **kwargs):

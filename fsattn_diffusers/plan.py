@@ -1,0 +1,188 @@
+"""The launch plan of an fsattn call: which kernel runs it, with which tiles and operand layouts.
+
+Every kernel decision lives here, made once per (config, target, head dim, mask kind, dtype) and
+cached: per call the op only looks its plan up. A target is a CUDA device's compute capability,
+or the CPU paths: Triton's interpreter (the real kernels, tests) and the PyTorch emulation.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import FSAttnConfig
+
+logger = logging.getLogger("fsattn_diffusers")
+
+# The forward kernels' softmax modes (kernels/fsattn_fwd.py's FROZEN_* and EXP_MODE_*), here so
+# that a plan can be made where Triton is absent.
+FROZEN_OFF, FROZEN_RECOMPUTE, FROZEN_RESCALE = 0, 1, 2
+_EXP_MODES = {0.0: 0, 0.5: 1, 1.0: 2}
+# Sampling the speculative max costs two score tiles per query tile; with this many key tiles or
+# fewer (cross-attention to text) that is most of the work, and the online softmax runs instead.
+MIN_TILES_FOR_FROZEN_MAX = 5
+
+INTERPRETER = "interpreter"
+EMULATION = "emulation"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one kind of call runs. ``kernel`` is ``"gluon_ws"``, ``"gluon"`` or ``"triton"`` (on
+    the emulation target: the Triton kernel it models)."""
+
+    kernel: str
+    block_m: int  # query rows per program
+    block_n: int  # keys per tile, also the K-scale granularity of k_granularity="block"
+    num_warps: int
+    num_stages: int
+    d_pad: int  # head dim padded for the INT8 GEMM
+    k_per_token: bool
+    v_dtype: torch.dtype
+    smooth_v: bool
+    pv_key_order: str  # "natural", or "wgmma" for the warp-specialised kernel
+    frozen_max: int  # the softmax mode of a call with enough key tiles (FROZEN_*)
+    exp_mode: int
+    pv_fp32: bool
+    rowsum_mma: bool
+    max_threshold: float
+
+    def frozen_for(self, seq_k: int) -> int:
+        """The softmax mode of a call with `seq_k` keys."""
+        return self.frozen_max if -(-seq_k // self.block_n) >= MIN_TILES_FOR_FROZEN_MAX else FROZEN_OFF
+
+
+def padded_head_dim(head_dim: int) -> int:
+    from .kernels.configs import padded_head_dim as padded
+
+    return padded(head_dim)
+
+
+def pv_dtype(config: FSAttnConfig, input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of P and V in the PV product."""
+    if config.pv_format == "fp8_e4m3":
+        return torch.float8_e4m3fn
+    return torch.float16 if input_dtype == torch.float16 else torch.bfloat16
+
+
+def plan_for(config: FSAttnConfig, target, head_dim: int, has_bias: bool, dtype: torch.dtype) -> LaunchPlan:
+    """The plan of a call (cached). `target`: a CUDA compute capability ``(major, minor)``,
+    :data:`INTERPRETER` or :data:`EMULATION`; `has_bias`: whether a float mask adds a bias."""
+    return _plan(config.to_json(), target, padded_head_dim(head_dim), has_bias, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dtype) -> LaunchPlan:
+    from .kernels.configs import GLUON_WS_BLOCK_N, GLUON_WS_STAGES, INTERPRETER as INTERPRETER_TILES
+    from .kernels.configs import default_launch_config
+
+    config = FSAttnConfig.from_json(config_json)
+    if target == INTERPRETER:
+        base = INTERPRETER_TILES
+    else:
+        # The emulation models the Triton kernel with the H200's tiles.
+        base = default_launch_config((9, 0) if target == EMULATION else target, d_pad)
+    if config.max_policy == "online":
+        frozen = FROZEN_OFF
+    else:
+        frozen = FROZEN_RESCALE if config.on_violation == "rescale" else FROZEN_RECOMPUTE
+    plan = LaunchPlan(
+        kernel="triton", block_m=config.block_m or base.block_m, block_n=config.block_n or base.block_n,
+        num_warps=config.num_warps or base.num_warps, num_stages=config.num_stages or base.num_stages,
+        d_pad=d_pad, k_per_token=config.k_granularity == "token", v_dtype=pv_dtype(config, dtype),
+        smooth_v=config.smooths_v, pv_key_order="natural", frozen_max=frozen,
+        exp_mode=_EXP_MODES[float(config.exp_offload)], pv_fp32=config.pv_accum == "fp32",
+        rowsum_mma=config.rowsum == "mma", max_threshold=float(config.max_threshold))
+    if target in (INTERPRETER, EMULATION) or tuple(target) != (9, 0):
+        return plan  # the Gluon kernels are written for Hopper's wgmma and TMA
+    wanted = config.kernel
+    if wanted == "auto":
+        # At head dim 128 the warp-specialised kernel measured 25-36 % faster than the Triton
+        # kernel on the H200; at 64 the two were within 2 % (benchmarks/NOTES.md v10 (d), v11 (d)).
+        wanted = "gluon_ws" if d_pad == 128 else "triton"
+    if wanted == "gluon_ws":
+        ws = _dataclass_replace(plan, kernel="gluon_ws", block_n=config.block_n or GLUON_WS_BLOCK_N,
+                                num_stages=config.num_stages or GLUON_WS_STAGES, pv_key_order="wgmma")
+        if _gluon_ws_covers(ws, has_bias, config) and gluon_available("fsattn_fwd_gluon_ws"):
+            from .kernels.configs import GLUON_WS_CONSUMERS, GLUON_WS_ROWS
+
+            return _dataclass_replace(ws, block_m=GLUON_WS_ROWS * GLUON_WS_CONSUMERS[ws.block_n])
+    if wanted == "gluon" and _gluon_covers(plan, has_bias) and gluon_available("fsattn_fwd_gluon"):
+        return _dataclass_replace(plan, kernel="gluon")
+    return plan
+
+
+def _default_numerics(plan: LaunchPlan, has_bias: bool) -> bool:
+    """The numerics both Gluon kernels implement: online max, per-key K scales, FP8 PV with the
+    hardware accumulator, the row sum on the tensor cores, no float mask."""
+    return (not has_bias and plan.frozen_max == FROZEN_OFF and plan.exp_mode == 0 and not plan.pv_fp32
+            and plan.rowsum_mma and plan.k_per_token and plan.v_dtype == torch.float8_e4m3fn)
+
+
+def _gluon_ws_covers(plan: LaunchPlan, has_bias: bool, config: FSAttnConfig) -> bool:
+    from .kernels.configs import GLUON_WS_CONSUMERS, GLUON_WS_MAX_STAGES, GLUON_WS_ROWS
+
+    return (_default_numerics(plan, has_bias) and plan.block_n in GLUON_WS_CONSUMERS
+            and (config.block_m or GLUON_WS_ROWS) == GLUON_WS_ROWS and plan.num_warps == 4
+            and 2 <= plan.num_stages <= GLUON_WS_MAX_STAGES[plan.block_n])
+
+
+def _gluon_covers(plan: LaunchPlan, has_bias: bool) -> bool:
+    # Only the tiles it was tested with. With one stage the loop would wait for a tile it issues
+    # only later (a hang); more than four do not fit shared memory at head dim 128.
+    return (_default_numerics(plan, has_bias) and plan.block_m == 64 and plan.block_n == 128
+            and plan.num_warps == 4 and 2 <= plan.num_stages <= 4)
+
+
+def _dataclass_replace(plan: LaunchPlan, **changes) -> LaunchPlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **changes)
+
+
+# ----------------------------------------------------------------------------- Gluon availability
+
+_DISABLED_GLUON: set[str] = set()
+
+
+def gluon_available(name: str) -> bool:
+    """Whether Gluon kernel module `name` imports here and has not failed to compile."""
+    return name not in _DISABLED_GLUON and gluon_module(name) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_module(name: str):
+    """``kernels.<name>``, or None where this Triton lacks the Gluon API it uses (logged once)."""
+    try:
+        return importlib.import_module(f".kernels.{name}", __package__)
+    except ImportError as err:  # a Triton without Gluon's Hopper API: the Triton kernel runs everything
+        logger.warning("fsattn: the Gluon kernel %s cannot be imported (%s); the Triton kernel runs its calls",
+                       name, err)
+        return None
+
+
+def disable_gluon(name: str, err: Exception) -> None:
+    """Turn Gluon kernel `name` off for the session after it failed to compile (logged once).
+
+    Gluon is Triton's experimental layer and its API moves between releases: a Triton this kernel
+    was not written for must cost speed, not the call. Plans made since are dropped.
+    """
+    message = getattr(err, "error_message", None) or str(err) or type(err).__name__
+    logger.warning("fsattn: the Gluon kernel %s does not compile with this Triton (%s: %s); the Triton kernel "
+                   "runs its calls", name, type(err).__name__,
+                   message.strip().splitlines()[-1] if message.strip() else "")
+    _DISABLED_GLUON.add(name)
+    _plan.cache_clear()
+
+
+def is_compile_failure(err: Exception) -> bool:
+    """Triton's own compile errors (front end, ptxas, resources) and MLIR pass failures."""
+    try:
+        from triton.errors import TritonError
+    except ImportError:  # older Triton: its compile errors have no common base
+        from triton.compiler.errors import CompilationError as TritonError
+    return isinstance(err, TritonError) or (isinstance(err, RuntimeError) and "PassManager" in str(err))

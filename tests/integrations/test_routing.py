@@ -1,0 +1,123 @@
+"""One answer to "can fsattn take this call?": fsattn() and every route decide alike, and the exact
+attention that serves refused calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsattn_diffusers
+from fsattn_diffusers import UnsupportedInputError, fsattn, register_fsattn_backend
+from fsattn_diffusers import attention
+from fsattn_diffusers.attention import exact_attention, refusal
+from fsattn_diffusers.processor import AttentionRoute
+from fsattn_diffusers.routing import attention_or_fallback
+
+
+def _qkv(b=2, s=24, h=2, d=32, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g).to(dtype) for _ in range(3)]
+
+
+# name -> (query, key, value, SDPA keyword arguments), all (B, S, H, D)
+def _cases():
+    q, k, v = _qkv()
+    keep = torch.ones(2, 24, dtype=torch.bool)
+    keep[1, 20:] = False
+    return {
+        "plain": (q, k, v, {}),
+        "bool_key_mask": (q, k, v, dict(attn_mask=keep[:, None, None, :])),
+        "float_key_mask": (q, k, v, dict(attn_mask=torch.zeros(2, 1, 1, 24).masked_fill(~keep[:, None, None], -1e4))),
+        "general_mask": (q, k, v, dict(attn_mask=torch.ones(2, 1, 24, 24, dtype=torch.bool))),
+        "causal": (q, k, v, dict(is_causal=True)),
+        "dropout": (q, k, v, dict(dropout_p=0.1)),
+        "head_dim_160": (*_qkv(d=160), {}),
+        "float64": (q.double(), k.double(), v.double(), {}),
+        "gqa_without_enable_gqa": (q, k[:, :, :1], v[:, :, :1], {}),
+        "gqa": (q, k[:, :, :1], v[:, :, :1], dict(enable_gqa=True)),
+        "requires_grad": (q.clone().requires_grad_(), k, v, {}),
+    }
+
+
+ACCEPTED = {"plain", "bool_key_mask", "float_key_mask", "gqa"}
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_every_route_takes_the_decision_of_the_one_check(name):
+    q, k, v, kwargs = _cases()[name]
+    found = refusal(q, k, v, kwargs.get("attn_mask"), layout="NHD", dropout_p=kwargs.get("dropout_p", 0.0),
+                    is_causal=kwargs.get("is_causal", False), enable_gqa=kwargs.get("enable_gqa", False))
+    assert (found is None) == (name in ACCEPTED)
+    decisions = {}
+
+    # The policy the processors and the backend share.
+    fell_back = []
+    attention_or_fallback(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0),
+                          kwargs.get("is_causal", False), None, kwargs.get("enable_gqa", False), layout="NHD",
+                          config=None, strict=False, where="test", fallback=lambda: fell_back.append(1))
+    decisions["policy"] = not fell_back
+    # A processor's stand-in for F.scaled_dot_product_attention, (B, H, S, D) tensors.
+    route = AttentionRoute("test", config=fsattn_diffusers.FSAttnConfig(), strict=False)
+    fsattn_diffusers.reset_stats()
+    try:
+        route.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), **kwargs)
+    except Exception:  # noqa: BLE001 - SDPA itself may refuse a malformed call: that is a fallback too
+        pass
+    decisions["sdpa_route"] = bool(fsattn_diffusers.stats()["calls"])
+    # The "fsattn" backend through diffusers' dispatcher.
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    member = register_fsattn_backend()
+    fsattn_diffusers.reset_stats()
+    try:
+        dispatch_attention_fn(q, k, v, backend=member, **kwargs)
+    except Exception:  # noqa: BLE001
+        pass
+    decisions["backend"] = bool(fsattn_diffusers.stats()["calls"])
+    # fsattn() itself raises exactly where it refuses (it has no dropout, causal or enable_gqa).
+    if "dropout_p" not in kwargs and "is_causal" not in kwargs and name != "gqa_without_enable_gqa":
+        try:
+            fsattn(q, k, v, attn_mask=kwargs.get("attn_mask"))
+            decisions["fsattn"] = True
+        except (UnsupportedInputError, TypeError, ValueError, NotImplementedError):
+            decisions["fsattn"] = False
+    expected = name in ACCEPTED
+    assert decisions == {route: expected for route in decisions}, decisions
+
+
+def test_a_strict_route_raises_the_checks_reason():
+    q, k, v, kwargs = _cases()["general_mask"]
+    with pytest.raises(UnsupportedInputError, match="strict=True") as info:
+        attention_or_fallback(q, k, v, kwargs["attn_mask"], 0.0, False, None, False, layout="NHD", config=None,
+                              strict=True, where="test", fallback=lambda: None)
+    assert info.value.reason == "general_mask"
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_exact_attention_lse_in_chunks_matches_float64(monkeypatch, mask_kind, layout):
+    # Forced to many row blocks: the fallback never holds the whole score matrix.
+    monkeypatch.setattr(attention, "EXACT_LSE_SCORES", 2 * 24 * 3)
+    q, k, v = _qkv(s=24, h=4)
+    k, v = k[:, :, :2], v[:, :, :2]  # grouped-query heads
+    keep = torch.ones(2, 24, dtype=torch.bool)
+    keep[0] = False  # a row whose keys are all masked: zeros and -inf, as the kernels give
+    keep[1, 10:] = False
+    mask = {None: None, "bool": keep[:, None, None, :],
+            "float": torch.zeros(2, 1, 1, 24).masked_fill(~keep[:, None, None], float("-inf"))}[mask_kind]
+    args = [t if layout == "NHD" else t.transpose(1, 2) for t in (q, k, v)]
+    out, lse = exact_attention(*args, mask, layout=layout, return_lse=True)
+    qd, kd, vd = (t.double().transpose(1, 2).repeat_interleave(2 if t is not q else 1, 1) for t in (q, k, v))
+    s = qd @ kd.transpose(-1, -2) * 32**-0.5
+    if mask is not None:
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    ref_lse = torch.logsumexp(s, -1)
+    weights = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)
+    ref = (weights @ vd).transpose(1, 2)
+    out = out if layout == "NHD" else out.transpose(1, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-5, rtol=1e-5)
+    if mask is not None:
+        assert out[0].abs().max() == 0

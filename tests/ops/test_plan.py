@@ -1,0 +1,210 @@
+"""The launch plan: which kernel takes which call (on a pretended sm_90), the plan cache, and how
+the op hands the chosen kernel its operands (with the real pre-pass in Triton's interpreter)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fsattn_diffusers import FSAttnConfig
+from fsattn_diffusers import ops
+from fsattn_diffusers import plan as planning
+
+HOPPER = (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    monkeypatch.setattr(planning, "_DISABLED_GLUON", set())
+    planning._plan.cache_clear()
+    yield
+    planning._plan.cache_clear()
+
+
+@pytest.fixture
+def gluon_importable(monkeypatch):
+    """Both Gluon modules import, whatever this Triton is (the plan only asks whether they do)."""
+    monkeypatch.setattr(planning, "gluon_module", lambda name: SimpleNamespace(name=name))
+
+
+def _plan(config=FSAttnConfig(), head_dim=128, has_bias=False, dtype=torch.bfloat16, target=HOPPER):
+    return planning.plan_for(config, target, head_dim, has_bias, dtype)
+
+
+@pytest.mark.parametrize("head_dim,kernel", [(128, "gluon_ws"), (96, "gluon_ws"), (64, "triton"), (32, "triton")])
+def test_auto_takes_the_warp_specialised_kernel_at_padded_head_dim_128(gluon_importable, head_dim, kernel):
+    plan = _plan(head_dim=head_dim)
+    assert plan.kernel == kernel
+    assert plan.pv_key_order == ("wgmma" if kernel == "gluon_ws" else "natural")
+
+
+@pytest.mark.parametrize("config", [
+    FSAttnConfig(k_granularity="block"),  # the Gluon kernels read one K scale per key
+    FSAttnConfig(pv_format="16bit"),
+    FSAttnConfig(max_policy="sampled"),
+    FSAttnConfig(pv_accum="fp32"),
+    FSAttnConfig(rowsum="fma"),
+    FSAttnConfig(block_n=32),  # no consumer layout for 32-key tiles
+    FSAttnConfig(num_stages=5),  # a fifth 128-key stage does not fit shared memory
+    FSAttnConfig(num_stages=1),  # one stage would wait for a tile it issues only later: a hang
+    FSAttnConfig(block_m=128),
+    FSAttnConfig(num_warps=8),
+    FSAttnConfig(kernel="triton"),
+])
+def test_what_the_gluon_kernels_do_not_implement_runs_on_the_triton_kernel(gluon_importable, config):
+    for kernel in ("auto", "gluon_ws", "gluon"):
+        config = config.replace(kernel=kernel) if config.kernel != "triton" else config
+        assert _plan(config).kernel == "triton"
+
+
+def test_a_float_mask_never_reaches_a_gluon_kernel(gluon_importable):
+    # They add no bias to the scores: a float mask there would be ignored, silently.
+    for kernel in ("auto", "gluon_ws", "gluon"):
+        assert _plan(FSAttnConfig(kernel=kernel), has_bias=True).kernel == "triton"
+
+
+def test_warp_specialised_tiles_and_stages(gluon_importable):
+    default = _plan()
+    assert (default.block_n, default.block_m, default.num_stages) == (128, 128, 4)  # two consumers
+    three = _plan(FSAttnConfig(block_n=64, num_stages=8))
+    assert (three.kernel, three.block_n, three.block_m, three.num_stages) == ("gluon_ws", 64, 192, 8)
+    assert _plan(FSAttnConfig(num_stages=3)).num_stages == 3
+
+
+def test_other_gpus_and_the_cpu_paths_run_the_triton_kernel(gluon_importable):
+    for target in ((8, 9), (10, 0), planning.INTERPRETER, planning.EMULATION):
+        assert _plan(target=target).kernel == "triton"
+    # The emulation models the Triton kernel with the H200's tiles; the interpreter uses small ones.
+    emulated, interpreted = _plan(target=planning.EMULATION), _plan(target=planning.INTERPRETER)
+    assert (emulated.block_m, emulated.block_n) == (64, 128)
+    assert interpreted.block_n < emulated.block_n
+
+
+def test_a_triton_without_the_gluon_api_runs_the_triton_kernel(monkeypatch):
+    monkeypatch.setattr(planning, "gluon_module", lambda name: None)
+    assert _plan().kernel == "triton"
+
+
+def test_plans_are_cached_per_config_head_dim_mask_and_dtype(gluon_importable):
+    first = _plan()
+    hits = planning._plan.cache_info().hits
+    assert _plan(FSAttnConfig()) is first  # an equal config is the same key
+    assert planning._plan.cache_info().hits == hits + 1
+    others = [_plan(FSAttnConfig(num_stages=3)), _plan(head_dim=64), _plan(has_bias=True),
+              _plan(dtype=torch.float16, config=FSAttnConfig(pv_format="16bit")), _plan(target=(8, 9))]
+    assert all(other is not first for other in others)
+    assert planning._plan.cache_info().hits == hits + 1
+
+
+def test_a_gluon_kernel_that_fails_to_compile_is_dropped_from_every_plan(gluon_importable, caplog):
+    from triton.compiler.errors import CompilationError
+
+    assert _plan().kernel == "gluon_ws"
+    with caplog.at_level("WARNING", logger="fsattn_diffusers"):
+        planning.disable_gluon("fsattn_fwd_gluon_ws", CompilationError(None, None, "no such builtin"))
+    assert "does not compile" in caplog.text
+    assert _plan().kernel == "triton"
+    assert _plan(FSAttnConfig(kernel="gluon")).kernel == "gluon"  # the other kernel is unaffected
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_speculative_max_needs_enough_key_tiles(head_dim):
+    plan = _plan(FSAttnConfig(max_policy="sampled"), head_dim=head_dim)
+    assert plan.frozen_for(4 * plan.block_n) == planning.FROZEN_OFF
+    assert plan.frozen_for(4 * plan.block_n + 1) == planning.FROZEN_RESCALE
+
+
+# --- the op with a pretended Hopper: which launcher gets which operands ----------------------------
+
+
+def _pretend_hopper(monkeypatch, gluon):
+    """ops on CPU tensors as on an sm_90, with `gluon` standing for both Gluon modules; the real
+    quantisation kernels run in Triton's interpreter."""
+    from fsattn_diffusers.kernels import fsattn_fwd as fwd
+
+    triton_calls = []
+    monkeypatch.setattr(planning, "gluon_module", lambda name: gluon)
+    monkeypatch.setattr(ops, "target_of", lambda device: HOPPER)
+    monkeypatch.setattr(fwd, "fsattn_fwd", lambda q, kv, *a, **kw: triton_calls.append(kv))
+    return triton_calls
+
+
+def _run(config, head_dim=64, seq=100):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, seq, 2, head_dim, generator=gen) for _ in range(3))
+    weight = (torch.rand(1, seq, generator=gen) > 0.2).float()
+    plan = ops.call_plan(config, torch.device("cpu"), head_dim)
+    ops._run_kernels(plan, config, q, k, v, weight, None, 0.125, torch.empty_like(q), None)
+    return k, v, weight
+
+
+def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
+    from fsattn_diffusers.kernels.quantize import quantize_kv, wgmma_key_of_column
+
+    received = []
+    triton_calls = _pretend_hopper(monkeypatch, SimpleNamespace(
+        fsattn_fwd_gluon_ws=lambda q, kv, *a, num_stages, **kw: received.append((kv, num_stages))))
+    k, v, weight = _run(FSAttnConfig(kernel="gluon_ws"))  # head dim 64 keeps the interpreter quick
+    ((kv, stages),) = received
+    assert triton_calls == [] and stages == 4 and kv.block_n == 128 and kv.pv_key_order == "wgmma"
+    natural = quantize_kv(k, v, weight, block_n=kv.block_n, d_pad=64)
+    keys = wgmma_key_of_column(torch.arange(natural.v_t.shape[-1]))
+    assert torch.equal(kv.v_t.view(torch.uint8), natural.v_t.view(torch.uint8)[..., keys])
+    assert torch.equal(kv.key_weight.view(torch.uint8), natural.key_weight.view(torch.uint8)[..., keys])
+    assert torch.equal(kv.k_q, natural.k_q) and torch.equal(kv.k_scale, natural.k_scale)
+
+
+@pytest.mark.parametrize("failure", ["front end", "ptxas", "mlir pass"])
+def test_a_gluon_compile_failure_costs_speed_not_the_call(monkeypatch, failure):
+    # Gluon's API moves between Triton releases: the call is redone on the Triton kernel, with V
+    # quantised again in that kernel's (natural) key order, and the Gluon kernel stays off.
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import PTXASError
+
+    errors = {"front end": CompilationError(None, None, "warp_specialize() got an unexpected keyword argument"),
+              "ptxas": PTXASError("ptxas error: setmaxnreg"), "mlir pass": RuntimeError("PassManager::run failed")}
+    gluon_orders = []
+
+    def broken(q, kv, *args, **kwargs):
+        gluon_orders.append(kv.pv_key_order)
+        raise errors[failure]
+
+    triton_calls = _pretend_hopper(monkeypatch, SimpleNamespace(fsattn_fwd_gluon_ws=broken))
+    _run(FSAttnConfig(kernel="gluon_ws"))
+    assert gluon_orders == ["wgmma"] and [kv.pv_key_order for kv in triton_calls] == ["natural"]
+    assert planning._DISABLED_GLUON == {"fsattn_fwd_gluon_ws"}
+
+
+def test_other_errors_in_a_gluon_kernel_are_raised(monkeypatch):
+    # Only compile failures fall back: a launch error (bad memory access) must surface.
+    def crashing(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    _pretend_hopper(monkeypatch, SimpleNamespace(fsattn_fwd_gluon_ws=crashing))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _run(FSAttnConfig(kernel="gluon_ws"))
+    assert planning._DISABLED_GLUON == set()
+
+
+def test_the_launchers_refuse_operands_the_plan_never_sends_them():
+    # V in the wrong key order would give a wrong result, not an error; a stage count outside the
+    # kernel's would hang or not fit: the launchers refuse both.
+    gluon = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon", reason="no Gluon Hopper API here")
+    gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
+    from fsattn_diffusers.kernels.fsattn_fwd import fsattn_fwd
+
+    def kv(order="natural", block_n=128):
+        return SimpleNamespace(k_per_token=True, v_dtype=torch.float8_e4m3fn, block_n=block_n, pv_key_order=order,
+                               key_weight=torch.empty(1, 16, 1))
+
+    with pytest.raises(ValueError, match="2-4 stages"):
+        gluon.fsattn_fwd_gluon(None, kv(), None, None, sm_scale=1.0, num_stages=1)
+    for block_n, stages in ((128, 5), (64, 9), (32, 4)):
+        with pytest.raises(ValueError, match=f"got block_n={block_n}, num_stages={stages}"):
+            gluon_ws.fsattn_fwd_gluon_ws(None, kv("wgmma", block_n), None, None, sm_scale=1.0, num_stages=stages)
+    with pytest.raises(ValueError, match="wgmma key order"):
+        gluon_ws.fsattn_fwd_gluon_ws(None, kv("natural"), None, None, sm_scale=1.0)
+    with pytest.raises(ValueError, match="natural key order"):
+        gluon.fsattn_fwd_gluon(None, kv("wgmma"), None, None, sm_scale=1.0)
+    with pytest.raises(ValueError, match="natural key order"):
+        fsattn_fwd(None, kv("wgmma"), None, None, None, sm_scale=1.0)
