@@ -31,9 +31,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .gluon_compat import tma_async_load
 from .quantize import quantize_q
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -47,9 +48,9 @@ def _issue_tile_loads(k_desc, vt_desc, w_desc, k_smem, vt_smem, w_smem, bars, ti
     stage = tile % STAGES
     bar = bars.index(stage)
     mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row + tile * BLOCK_N, 0], bar, k_smem.index(stage))
-    tma.async_copy_global_to_shared(vt_desc, [vt_row, tile * BLOCK_N], bar, vt_smem.index(stage))
-    tma.async_copy_global_to_shared(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
+    tma_async_load(k_desc, [kv_row + tile * BLOCK_N, 0], bar, k_smem.index(stage))
+    tma_async_load(vt_desc, [vt_row, tile * BLOCK_N], bar, vt_smem.index(stage))
+    tma_async_load(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
 
 
 @gluon.jit
@@ -148,7 +149,7 @@ def _fsattn_fwd_gluon_kernel(
     mbarrier.init(q_bar, count=1)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    tma_async_load(q_desc, [q_row, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         if i < n_tiles:
             _issue_tile_loads(k_desc, vt_desc, w_desc, k_smem, vt_smem, w_smem, bars, i, kv_row, vt_row, w_row,

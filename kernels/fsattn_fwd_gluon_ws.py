@@ -49,11 +49,12 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
 from .configs import GLUON_WS_STAGES
 from .fsattn_fwd_gluon import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
+from .gluon_compat import tma_async_load
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
@@ -79,7 +80,7 @@ def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, 
     N_CONSUMERS: gl.constexpr = q_smem.shape[0]
     for c in gl.static_range(N_CONSUMERS):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bars.index(c), q_smem.index(c))
+        tma_async_load(q_desc, [q_row + c * 64, 0], q_bars.index(c), q_smem.index(c))
     for tile in range(n_tiles):
         stage = tile % STAGES
         # A fresh mbarrier counts as having completed the phase before its first (parity 1), so
@@ -87,9 +88,9 @@ def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, 
         mbarrier.wait(empty.index(stage), ((tile // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + tile * BLOCK_N, 0], bar, k_smem.index(stage))
-        tma.async_copy_global_to_shared(vt_desc, [vt_row, tile * BLOCK_N], bar, vt_smem.index(stage))
-        tma.async_copy_global_to_shared(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
+        tma_async_load(k_desc, [kv_row + tile * BLOCK_N, 0], bar, k_smem.index(stage))
+        tma_async_load(vt_desc, [vt_row, tile * BLOCK_N], bar, vt_smem.index(stage))
+        tma_async_load(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
 
 
 # _in_wgmma_order's split of each 32 keys into (b4, b3, b2 b1, b0) and the axis order that makes
