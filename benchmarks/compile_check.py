@@ -1,200 +1,334 @@
-"""Compile the forward kernel for sm_90 without a GPU and report registers, spills, wgmma and shared memory.
+"""Compile the kernels for sm_90a without a GPU and report registers, spills, shared memory and instruction counts.
 
-    python benchmarks/compile_check.py                       # every variant at the default tiles
-    python benchmarks/compile_check.py --tiles 128,64,4,3    # BLOCK_M,BLOCK_N,num_warps,num_stages
-    python benchmarks/compile_check.py --gluon-ws --tiles 4,128   # the warp-specialised kernel: stages,D_PAD
+    python benchmarks/compile_check.py                        # the Triton kernel's variants at its sm_90 tiles
+    python benchmarks/compile_check.py --tiles 128,64,4,3     # BLOCK_M,BLOCK_N,num_warps,num_stages
+    python benchmarks/compile_check.py --gluon                # the Gluon kernel (--tiles and --head-dim as above)
+    python benchmarks/compile_check.py --gluon-ws --tiles 4,128,64   # warp-specialised: stages,D_PAD[,BLOCK_N]
+    python benchmarks/compile_check.py --matrix [--json]      # every kernel the op launches, at the configs it runs
 
-Costs no device time: Triton's bundled ptxas assembles for sm_90a here, so compile errors, spills
-and missing wgmma instructions show before a lease.
+Every kernel is compiled through its own launcher (kernels/*.py), called with CPU tensors of a
+model-like shape: inside `sm90_builds` a launch compiles for sm_90a instead of running, with
+Triton's own argument specialisation, ptxas and ptxas flags, so each build is the one an H100 or
+H200 would run, and a parameter or kernel added to a launcher needs no change here. Registers and
+spills are ptxas's report of that build. Costs no device time: compile errors, spills and missing
+wgmma instructions show before a lease. To check another Triton release, put it first on
+PYTHONPATH (``pip install --no-deps --target DIR triton==X``; tests/kernels/triton_releases.py
+does this for the compile tests).
 """
 
+from __future__ import annotations
+
 import argparse
+import contextlib
+import functools
+import io
+import json
 import os
 import re
-import subprocess
-import tempfile
+from dataclasses import dataclass
 
-os.environ.pop("TRITON_INTERPRET", None)
+os.environ.pop("TRITON_INTERPRET", None)  # the interpreter compiles nothing
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 from fsattn_diffusers.kernels import fsattn_fwd as fwd  # noqa: E402
+from fsattn_diffusers.kernels import quantize  # noqa: E402
+from fsattn_diffusers.kernels.configs import (GLUON_WS_BLOCK_N, GLUON_WS_STAGES, LaunchConfig,  # noqa: E402
+                                              default_launch_config, padded_head_dim)
 
-# (FROZEN, EXP_MODE, K_PER_TOKEN, PV dtype, PV_FP32, ROWSUM_MMA, HAS_BIAS)
-VARIANTS = {
-    "default": (2, 0, True, "fp8e4nv", True, True, False),
-    "online": (0, 0, True, "fp8e4nv", True, True, False),
-    "recompute": (1, 0, True, "fp8e4nv", True, True, False),
-    "pv16": (2, 0, True, "bf16", True, True, False),
-    "exp_half": (2, 1, True, "fp8e4nv", True, True, False),
-    "exp_bits": (2, 2, True, "fp8e4nv", True, True, False),
-    "k_block": (2, 0, False, "fp8e4nv", True, True, False),
-    "rowsum_fma": (2, 0, True, "fp8e4nv", True, False, False),
-    "pv_hw_acc": (2, 0, True, "fp8e4nv", False, True, False),
-    "bias": (2, 0, True, "fp8e4nv", True, True, True),
-    "online_hw": (0, 0, True, "fp8e4nv", False, True, False),
-    "online_hw_kblock": (0, 0, False, "fp8e4nv", False, True, False),
-    "rescale_hw_kblock": (2, 0, False, "fp8e4nv", False, True, False),
-    "pv16_hw": (2, 0, True, "bf16", False, True, False),
-    "online_pv16_hw": (0, 0, True, "bf16", False, True, False),
-}
+TARGET = GPUTarget("cuda", 90, 32)
+SM90 = (9, 0)
+# Lengths that Triton specialises as the models' are (Wan 2.1 at 480p has 32760 tokens: not a
+# multiple of 16; 12 heads), short enough that the launchers' CPU-side work takes milliseconds.
+SEQ_LEN, HEADS = 1000, 12
 
-
-def compile_variant(frozen, exp_mode, k_per_token, pv, pv_fp32, rowsum_mma, has_bias, block_m, block_n, warps,
-                    stages, d_pad=128):
-    kernel = fwd._fsattn_fwd_kernel
-    sig = {
-        "q8_ptr": "*i8", "qs_ptr": "*fp32", "qkm_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "kq_ptr": "*i8", "ks_ptr": "*fp32",
-        "k_mean_ptr": "*fp32", "vt_ptr": f"*{pv}", "v_scale_ptr": "*fp32", "v_mean_ptr": "*fp32",
-        "w_ptr": f"*{pv}", "bias_ptr": "*fp32", "fallback_ptr": "*i32",
-        "seq_q": "i32", "q_pad": "i32", "head_dim": "i32", "n_q_heads": "i32", "group": "i32", "n_tiles": "i32", "s_pad": "i32",
-        "max_threshold": "fp32",
-        "stride_ob": "i32", "stride_os": "i32", "stride_oh": "i32", "stride_od": "constexpr",
-        "stride_wb": "i32", "stride_biasb": "i32",
-    }
-    constexprs = {"stride_od": 1, "FROZEN": frozen, "EXP_MODE": exp_mode, "HAS_BIAS": has_bias,
-                  "K_PER_TOKEN": k_per_token, "PV_FP32": pv_fp32, "ROWSUM_MMA": rowsum_mma, "BLOCK_M": block_m,
-                  "BLOCK_N": block_n, "D_PAD": d_pad, "ROWSUM_COLS": 16, "SOFT_ROUND": False}
-    for name in kernel.arg_names:
-        if name in constexprs and name not in sig:
-            sig[name] = "constexpr"
-    # 16-byte alignment of every pointer and of the strides that are multiples of 16, as at run time.
-    aligned = [[i] for i, n in enumerate(kernel.arg_names)
-               if n.endswith("_ptr") or n in ("s_pad", "q_pad", "stride_wb", "stride_biasb")]
-    src = ASTSource(kernel, sig, constexprs, attrs={(i[0],): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+_BASE_VARIANT = dict(frozen=fwd.FROZEN_RESCALE, exp_mode=fwd.EXP_MODE_SFU, k_per_token=True,
+                     v_dtype=torch.float8_e4m3fn, pv_fp32=True, rowsum_mma=True, bias=False)
+# The Triton kernel's variants: arguments of quantize_kv (k_per_token, v_dtype) and fsattn_fwd (the rest).
+VARIANTS = {name: {**_BASE_VARIANT, **changes} for name, changes in {
+    "default": {},
+    "online": dict(frozen=fwd.FROZEN_OFF),
+    "recompute": dict(frozen=fwd.FROZEN_RECOMPUTE),
+    "pv16": dict(v_dtype=torch.bfloat16),
+    "exp_half": dict(exp_mode=fwd.EXP_MODE_HALF),
+    "exp_bits": dict(exp_mode=fwd.EXP_MODE_BITS),
+    "k_block": dict(k_per_token=False),
+    "rowsum_fma": dict(rowsum_mma=False),
+    "pv_hw_acc": dict(pv_fp32=False),
+    "bias": dict(bias=True),
+    "online_hw": dict(frozen=fwd.FROZEN_OFF, pv_fp32=False),
+    "online_hw_kblock": dict(frozen=fwd.FROZEN_OFF, pv_fp32=False, k_per_token=False),
+    "rescale_hw_kblock": dict(pv_fp32=False, k_per_token=False),
+    "pv16_hw": dict(v_dtype=torch.bfloat16, pv_fp32=False),
+    "online_pv16_hw": dict(frozen=fwd.FROZEN_OFF, v_dtype=torch.bfloat16, pv_fp32=False),
+}.items()}
 
 
-def _gluon_source(kernel, descs, constexprs):
-    """A Gluon kernel's source for triton.compile: signature from CPU tensors' descriptors."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+@dataclass
+class Build:
+    """One kernel compiled for sm_90a: the @jit function's name, its compiled form and ptxas's
+    report of this build ("" when Triton reused a build of the same process)."""
+    kernel: str
+    compiled: object
+    ptxas_log: str
 
-    sig = {name: mangle_type(d) for name, d in descs.items()}
-    sig.update({n: "*fp32" for n in ("qs_ptr", "qkm_ptr", "ks_ptr", "v_scale_ptr", "v_mean_ptr", "lse_ptr")})
-    sig["out_ptr"] = "*bf16"
-    for n in ("seq_q", "q_pad", "head_dim", "n_q_heads", "group", "n_tiles", "s_pad", "w_rows_per_batch",
-              "stride_ob", "stride_os", "stride_oh"):
-        sig[n] = "i32"
-    for n in constexprs:
-        sig[n] = "constexpr"
-    sig = {n: sig[n] for n in kernel.arg_names}
-    aligned = [i for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr") or n in ("s_pad", "q_pad", "stride_os")]
-    return GluonASTSource(kernel, sig, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
+    def _reported(self, pattern):
+        found = re.search(pattern, self.ptxas_log)
+        return int(found.group(1)) if found else None
 
+    @property
+    def regs(self):
+        return self._reported(r"Used (\d+) registers")
 
-def _operand_descriptors(rows, block_n, d_pad):
-    import torch
+    @property
+    def spill(self):
+        """Bytes of spill stores."""
+        return self._reported(r"(\d+) bytes spill stores")
 
-    from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
-
-    return {
-        "q_desc": gk._descriptor(torch.zeros(4 * rows, d_pad, dtype=torch.int8), [rows, d_pad], gk.gl.int8),
-        "k_desc": gk._descriptor(torch.zeros(4 * block_n, d_pad, dtype=torch.int8), [block_n, d_pad], gk.gl.int8),
-        "vt_desc": gk._descriptor(torch.zeros(d_pad, 4 * block_n, dtype=torch.float8_e4m3fn), [d_pad, block_n],
-                                  gk.gl.float8e4nv),
-        "w_desc": gk._descriptor(torch.zeros(16, 4 * block_n, dtype=torch.float8_e4m3fn), [16, block_n],
-                                 gk.gl.float8e4nv),
-    }
+    @property
+    def ptx(self) -> str:
+        return self.compiled.asm["ptx"]
 
 
-def compile_gluon_ws(stages, d_pad=128, block_n=None, speculative=None):
-    """The warp-specialised Gluon kernel (kernels/fsattn_fwd_gluon_ws.py); defaults as the op runs it."""
-    from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
-    from fsattn_diffusers.kernels.configs import GLUON_WS_BLOCK_N
+class BuildError(RuntimeError):
+    """A kernel that did not compile for sm_90a; `kernel` names it."""
 
-    block_n = block_n or GLUON_WS_BLOCK_N
-    consumers = wk.CONSUMERS[block_n]
-    constexprs = {"BLOCK_N": block_n, "D_PAD": d_pad, "STAGES": stages, "N_CONSUMERS": consumers,
-                  "CONSUMER_REGS": wk.CONSUMER_REGS[consumers], "PRODUCER_REGS": wk.PRODUCER_REGS,
-                  "SPECULATIVE": wk.SPECULATIVE_MAX if speculative is None else bool(speculative)}
-    src = _gluon_source(wk._fsattn_fwd_gluon_ws_kernel, _operand_descriptors(wk.CONSUMER_ROWS, block_n, d_pad),
-                        constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    def __init__(self, kernel, cause):
+        super().__init__(f"{kernel}: {type(cause).__name__}: {cause}")
+        self.kernel = kernel
 
 
-def compile_gluon(block_m, block_n, warps, stages, d_pad=128):
-    """The Gluon kernel (kernels/fsattn_fwd_gluon.py)."""
-    from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
+class _Sm90Driver:
+    """Stands in for Triton's GPU driver inside `sm90_builds`, where every launch is a warm-up
+    (compile, never run): the JIT asks the driver only for the target, the device and the stream."""
 
-    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "D_PAD": d_pad, "STAGES": stages, "num_warps": warps}
-    src = _gluon_source(gk._fsattn_fwd_gluon_kernel, _operand_descriptors(block_m, block_n, d_pad), constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    def get_current_target(self):
+        return TARGET
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
 
 
-def ptxas_report(ptx: str) -> str:
-    """Registers and spill bytes as ptxas reports them (the compiled kernel fills n_regs only on a GPU)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
+@contextlib.contextmanager
+def sm90_builds():
+    """Within the block, launching a @triton.jit or @gluon.jit kernel compiles it for sm_90a and
+    returns without running it (the outputs stay unwritten); yields the list of `Build`s, one per
+    launch, in order. A compile error raises `BuildError` from the launch.
+
+    Builds are fresh (not from Triton's disk cache), so that each comes with ptxas's report.
+    FP fusion is asked for explicitly unless the launcher says otherwise: Triton 3.9 warns that its
+    default turns off in 3.10, and these figures must not change with that default.
+    """
+    knobs = triton.knobs
+    builds = []
+    jit_run = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("enable_fp_fusion", True)
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log):  # Triton prints the ptxas report (dump_ptxas_log)
+                compiled = jit_run(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as exc:
+            raise BuildError(self.fn.__name__, exc) from exc
+        builds.append(Build(self.fn.__name__, compiled, log.getvalue()))
+        return compiled
+
+    saved = (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log, getattr(driver, "_active", None))
+    knobs.compilation.always_compile = True
+    knobs.nvidia.dump_ptxas_log = True
+    driver.set_active(_Sm90Driver())
+    JITFunction.run = compile_instead
     try:
-        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
+        yield builds
     finally:
-        os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", err)
-    spill = re.search(r"(\d+) bytes spill stores", err)
-    return f"regs {regs.group(1) if regs else '?':>4s} spill {spill.group(1) if spill else '?':>5s}"
+        JITFunction.run = jit_run
+        knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log, active = saved
+        driver.set_active(active)
+
+
+def _attention_inputs(head_dim):
+    """q, k, v (1, SEQ_LEN, HEADS, head_dim) bf16, an output like q and the LSE buffer."""
+    q, k, v = (torch.randn(1, SEQ_LEN, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    return q, k, v, torch.empty_like(q), torch.empty(1, HEADS, SEQ_LEN)
+
+
+def build_triton(variant="default", tiles: LaunchConfig | None = None, head_dim=128, masked=False):
+    """The builds of one Triton-kernel call: quantize_kv's kernel, quantize_q's, the forward kernel.
+
+    `tiles` default to the launcher's sm_90 tiles for `head_dim`; `masked` adds a key-padding mask
+    (the key weights HunyuanVideo's text padding gives)."""
+    v = VARIANTS[variant]
+    tiles = tiles or default_launch_config(SM90, head_dim)
+    q, k, val, out, lse = _attention_inputs(head_dim)
+    key_weight = (torch.arange(SEQ_LEN) < SEQ_LEN - 100).float()[None] if masked else None
+    with sm90_builds() as builds:
+        kv = quantize.quantize_kv(k, val, key_weight, block_n=tiles.block_n, d_pad=padded_head_dim(head_dim),
+                                  k_per_token=v["k_per_token"], v_dtype=v["v_dtype"])
+        bias = torch.zeros(1, kv.k_q.shape[2]) if v["bias"] else None
+        fwd.fsattn_fwd(q, kv, out, lse, torch.zeros(1, dtype=torch.int32), sm_scale=head_dim ** -0.5, bias=bias,
+                       frozen=v["frozen"], exp_mode=v["exp_mode"], pv_fp32=v["pv_fp32"], rowsum_mma=v["rowsum_mma"],
+                       block_m=tiles.block_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return builds
+
+
+def build_gluon(tiles: LaunchConfig | None = None, head_dim=128):
+    """The builds of one Gluon-kernel call (kernels/fsattn_fwd_gluon.py), at the op's tiles by default."""
+    from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
+
+    tiles = tiles or default_launch_config(SM90, head_dim)
+    q, k, v, out, lse = _attention_inputs(head_dim)
+    with sm90_builds() as builds:
+        kv = quantize.quantize_kv(k, v, block_n=tiles.block_n, d_pad=padded_head_dim(head_dim))
+        gk.fsattn_fwd_gluon(q, kv, out, lse, sm_scale=head_dim ** -0.5, block_m=tiles.block_m,
+                            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return builds
+
+
+def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_N, speculative=None):
+    """The builds of one warp-specialised Gluon-kernel call (kernels/fsattn_fwd_gluon_ws.py); the
+    defaults are the op's."""
+    from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
+
+    q, k, v, out, lse = _attention_inputs(head_dim)
+    options = {} if speculative is None else {"speculative": bool(speculative)}
+    with sm90_builds() as builds:
+        kv = quantize.quantize_kv(k, v, block_n=block_n, d_pad=padded_head_dim(head_dim), pv_key_order="wgmma")
+        wk.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=head_dim ** -0.5, num_stages=stages, **options)
+    return builds
+
+
+def matrix_entries():
+    """(name, build function) for each call the op makes on sm_90, at the configs it runs: the
+    Triton kernel's variants at the launcher's tiles, the Gluon kernel at the same tiles, the
+    warp-specialised kernel at its stages with 128- and 64-key tiles, each at head dims 128 and 64.
+    The quantisation kernels are compiled by the calls that launch them. A new kernel or
+    configuration is one more entry here."""
+    entries = []
+    for head_dim in (128, 64):
+        entries += [(f"triton {name} d{head_dim}", functools.partial(build_triton, name, head_dim=head_dim))
+                    for name in VARIANTS]
+    entries.append(("triton default d128 masked", functools.partial(build_triton, masked=True)))
+    for head_dim in (128, 64):
+        entries.append((f"gluon d{head_dim}", functools.partial(build_gluon, head_dim=head_dim)))
+        entries += [(f"gluon_ws d{head_dim} n{block_n}", functools.partial(build_gluon_ws, head_dim=head_dim,
+                                                                            block_n=block_n))
+                    for block_n in (128, 64)]
+    return entries
+
+
+def run_matrix(entries=None):
+    """One row per distinct build of `entries` (default: `matrix_entries()`), keyed "<entry> / <kernel>"
+    by the first entry that launched it: registers, spill bytes and shared memory, or the error."""
+    rows, seen = [], set()
+    for entry, build in entries or matrix_entries():
+        try:
+            builds = build()
+        except Exception as exc:  # noqa: BLE001 - a failure is a result here, reported per entry
+            kernel = exc.kernel if isinstance(exc, BuildError) else "launcher"
+            rows.append({"key": f"{entry} / {kernel}", "error": f"{type(exc).__name__}: {exc}"[-3000:]})
+            continue
+        for b in builds:
+            if b.compiled.hash in seen:
+                continue
+            seen.add(b.compiled.hash)
+            rows.append({"key": f"{entry} / {b.kernel}", "regs": b.regs, "spill": b.spill,
+                         "smem": b.compiled.metadata.shared})
+    return rows
+
+
+def _counts(ptx, names):
+    return " ".join(f"{label} {ptx.count(pattern):3d}" for label, pattern in names)
+
+
+def _report(b: Build) -> str:
+    regs, spill = b.regs, b.spill
+    return (f"regs {'?' if regs is None else regs:>4} spill {'?' if spill is None else spill:>5} "
+            f"smem {b.compiled.metadata.shared:6d}")
+
+
+def _main_build(builds, kernel):
+    return next(b for b in builds if b.kernel == kernel)
+
+
+def _dump(folder, name, ptx):
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.ptx"), "w") as f:
+            f.write(ptx)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--tiles", nargs="+", default=["128,128,8,2"])
+    parser.add_argument("--tiles", nargs="+", default=None,
+                        help="BLOCK_M,BLOCK_N,num_warps,num_stages (default: the launcher's sm_90 tiles for "
+                             "--head-dim); with --gluon-ws: stages,D_PAD[,BLOCK_N]")
+    parser.add_argument("--head-dim", type=int, default=128, help="for the Triton and Gluon kernels")
     parser.add_argument("--gluon", action="store_true", help="compile the Gluon kernel instead")
-    parser.add_argument("--gluon-ws", action="store_true",
-                        help="compile the warp-specialised Gluon kernel instead (--tiles: its stages, D_PAD and "
-                             "optionally BLOCK_N as 'stages,d_pad[,block_n]')")
-    parser.add_argument("--dump", default=None, help="folder to write each variant's PTX and SASS into")
+    parser.add_argument("--gluon-ws", action="store_true", help="compile the warp-specialised Gluon kernel instead")
+    parser.add_argument("--matrix", action="store_true",
+                        help="compile every kernel the op launches at the configs it runs (matrix_entries)")
+    parser.add_argument("--json", action="store_true", help="with --matrix: one JSON row per build")
+    parser.add_argument("--dump", default=None, help="folder to write each build's PTX into")
     parser.add_argument("--sass", action="store_true",
                         help="with --gluon-ws: each consumer loop's instruction counts (benchmarks/sass_loop.py)")
     args = parser.parse_args()
     if args.sass and not args.gluon_ws:
         parser.error("--sass reads the warp-specialised kernel's consumer loops: use it with --gluon-ws")
+    if args.matrix:
+        if not args.json:
+            print(f"Triton {triton.__version__}, sm_90a")
+        for row in run_matrix():
+            if args.json:
+                print(json.dumps({"triton": triton.__version__, **row}), flush=True)
+            elif "error" in row:
+                print(f"{row['key']:60s} FAILED: {row['error'][-400:]}", flush=True)
+            else:
+                print(f"{row['key']:60s} regs {row['regs']!s:>4} spill {row['spill']!s:>5} smem {row['smem']:6d}",
+                      flush=True)
+        return
     if args.gluon_ws:
-        for spec in args.tiles if args.tiles != parser.get_default("tiles") else ["4,128"]:
+        for spec in args.tiles or [f"{GLUON_WS_STAGES},128"]:
             stages, d_pad, *block_n = (int(x) for x in spec.split(","))
-            k = compile_gluon_ws(stages, d_pad, block_n[0] if block_n else None)
-            ptx = k.asm["ptx"]
-            print(f"stages {stages} d_pad {d_pad:3d} block_n {block_n[0] if block_n else 'default'} gluon_ws {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
-                  f"wgmma {ptx.count('wgmma.mma_async'):3d} setmaxnreg {ptx.count('setmaxnreg'):2d} "
-                  f"bar.sync {ptx.count('bar.sync'):3d}")
+            block_n = block_n[0] if block_n else GLUON_WS_BLOCK_N
+            b = _main_build(build_gluon_ws(stages, d_pad, block_n), "_fsattn_fwd_gluon_ws_kernel")
+            print(f"stages {stages} d_pad {d_pad:3d} block_n {block_n} gluon_ws {_report(b)} "
+                  + _counts(b.ptx, [("wgmma", "wgmma.mma_async"), ("setmaxnreg", "setmaxnreg"),
+                                    ("bar.sync", "bar.sync")]), flush=True)
+            _dump(args.dump, f"gluon_ws_{stages}_{d_pad}_{block_n}", b.ptx)
             if args.sass:
                 from sass_loop import describe
 
-                print(describe(ptx))
+                print(describe(b.compiled.asm["cubin"]))
         return
-    if args.gluon:
-        for tiles in args.tiles:
-            block_m, block_n, warps, stages = (int(x) for x in tiles.split(","))
-            k = compile_gluon(block_m, block_n, warps, stages)
-            ptx = k.asm["ptx"]
-            print(f"{tiles:12s} gluon        {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
-                  f"wgmma {ptx.count('wgmma.mma_async'):3d} wait {ptx.count('wgmma.wait_group'):3d} "
-                  f"ex2 {ptx.count('ex2.approx'):4d} cvt.e4m3 {ptx.count('e4m3x2'):3d} bar {ptx.count('bar.sync'):3d}")
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                with open(os.path.join(args.dump, f"gluon_{tiles.replace(',', '_')}.ptx"), "w") as f:
-                    f.write(ptx)
-        return
-    for tiles in args.tiles:
-        block_m, block_n, warps, stages = (int(x) for x in tiles.split(","))
+    for spec in args.tiles or [None]:
+        tiles = LaunchConfig(*(int(x) for x in spec.split(","))) if spec else default_launch_config(SM90, args.head_dim)
+        label = f"{tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages}"
+        if args.gluon:
+            b = _main_build(build_gluon(tiles, args.head_dim), "_fsattn_fwd_gluon_kernel")
+            print(f"{label:12s} gluon        {_report(b)} " + _counts(b.ptx, [
+                ("wgmma", "wgmma.mma_async"), ("wait", "wgmma.wait_group"), ("ex2", "ex2.approx"),
+                ("cvt.e4m3", "e4m3x2"), ("bar", "bar.sync")]), flush=True)
+            _dump(args.dump, f"gluon_{label.replace(',', '_')}_d{args.head_dim}", b.ptx)
+            continue
         for name in args.variants:
             try:
-                k = compile_variant(*VARIANTS[name], block_m, block_n, warps, stages)
-            except Exception as exc:
-                print(f"{tiles:12s} {name:12s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+                b = _main_build(build_triton(name, tiles, args.head_dim), "_fsattn_fwd_kernel")
+            except Exception as exc:  # noqa: BLE001 - one variant's compile error must not hide the others'
+                print(f"{label:12s} {name:12s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
                 continue
-            ptx = k.asm["ptx"]
-            print(f"{tiles:12s} {name:12s} {ptxas_report(ptx)} smem {k.metadata.shared:6d} "
-                  f"wgmma {ptx.count('wgmma.mma_async'):3d} ex2 {ptx.count('ex2.approx'):4d} "
-                  f"cvt.e4m3 {ptx.count('e4m3x2'):3d} bar {ptx.count('bar.sync'):3d}", flush=True)
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                with open(os.path.join(args.dump, f"{name}_{tiles.replace(',', '_')}.ptx"), "w") as f:
-                    f.write(ptx)
+            print(f"{label:12s} {name:12s} {_report(b)} " + _counts(b.ptx, [
+                ("wgmma", "wgmma.mma_async"), ("ex2", "ex2.approx"), ("cvt.e4m3", "e4m3x2"), ("bar", "bar.sync")]),
+                flush=True)
+            _dump(args.dump, f"{name}_{label.replace(',', '_')}_d{args.head_dim}", b.ptx)
 
 
 if __name__ == "__main__":

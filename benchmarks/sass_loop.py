@@ -20,18 +20,16 @@ OPCODES = ("MUFU", "FMUL", "FFMA", "I2FP", "F2FP", "FMNMX", "SHFL", "BAR", "SYNC
 _BRANCH = re.compile(r"BRA(?:\.\w+)*\s+(?:[^`]*,\s*)?`\((\.L_x_\d+)\)")
 
 
-def sass_of(ptx: str) -> str:
-    """The SASS (nvdisasm) of PTX compiled for sm_90a with Triton's bundled ptxas."""
+def sass_of(cubin: bytes) -> str:
+    """The SASS of a compiled kernel's cubin (``kernel.asm["cubin"]``: Triton's own ptxas and flags),
+    disassembled with the nvdisasm of the Triton that built it."""
     import triton  # here, so that reading SASS text (ncu_stalls.py) needs no Triton
 
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(src, "w") as f:
-            f.write(ptx)
-        subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", src, "-o", cubin], check=True,
-                       capture_output=True)
-        return subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], check=True, capture_output=True,
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", path], check=True, capture_output=True,
                               text=True).stdout
 
 
@@ -106,9 +104,9 @@ def positions(body, prefixes=("WARPGROUP.ARRIVE", "STS")) -> dict:
     return {p: [i for i, t in enumerate(texts) if t.startswith(p)] for p in prefixes}
 
 
-def describe(ptx: str) -> str:
-    """One line per inner loop: its length, and its common path's length and opcode counts."""
-    sass = sass_of(ptx)
+def describe(cubin: bytes) -> str:
+    """One line per inner loop of a compiled kernel: its length, and its common path's length and opcode counts."""
+    sass = sass_of(cubin)
     lines = []
     for span in loops(sass):
         c, body = common_path(sass, span)

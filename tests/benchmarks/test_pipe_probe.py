@@ -1,18 +1,25 @@
-"""benchmarks/pipe_probe.py: each probe loop compiles (for sm_90a, here) to the instruction it times."""
+"""benchmarks/pipe_probe.py: each probe loop compiles (for sm_90a, here) to the instruction it times.
+
+Which SASS a probe becomes is one Triton release's code generation (its ptxas): the test runs the
+probes under the release NOTES v9 measured with (tests/kernels/triton_releases.py fetches it once
+into a per-user cache when another is installed).
+"""
 
 import json
 import os
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+
+import triton_releases  # noqa: E402
+
+MEASURED_WITH = "3.6.0"
 
 
 def _opcodes(*ops):
-    script = os.path.join(ROOT, "benchmarks", "pipe_probe.py")
-    out = subprocess.run([sys.executable, script, "--sass", *ops], capture_output=True, text=True, check=True,
-                         cwd=ROOT).stdout
-    return {row["op"]: row["opcodes"] for row in map(json.loads, filter(None, out.splitlines()))}
+    done = triton_releases.run(MEASURED_WITH, [os.path.join("benchmarks", "pipe_probe.py"), "--sass", *ops])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {row["op"]: row["opcodes"] for row in map(json.loads, filter(None, done.stdout.splitlines()))}
 
 
 def test_each_probe_times_its_own_instruction():

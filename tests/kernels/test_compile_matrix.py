@@ -1,0 +1,64 @@
+"""Every kernel compiles for sm_90a (no GPU needed) on each Triton release users have, and spills no
+more than it did when compile_baseline.json was measured.
+
+Each release runs ``benchmarks/compile_check.py --matrix --json`` in a subprocess (triton_releases:
+the installed Triton, or a copy pip fetches once into a per-user cache). The matrix compiles through
+the launchers what the op launches on sm_90: the Triton kernel's variants at the launcher's tiles,
+the Gluon kernel, the warp-specialised kernel (128- and 64-key tiles) and the quantisation kernels,
+at head dims 128 and 64. After a deliberate change, refresh the baseline from the printed table or
+from ``python benchmarks/compile_check.py --matrix --json`` under each release.
+"""
+
+import json
+import os
+import re
+
+import pytest
+from triton_releases import RELEASES, ROOT, run
+
+BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_baseline.json")
+
+pytestmark = pytest.mark.slow  # 45-65 s of compiling per release on one core
+
+
+def _kernels_in_sources():
+    """(file, name) of every @triton.jit / @gluon.jit kernel (a ``_..._kernel``) in kernels/."""
+    found = []
+    folder = os.path.join(ROOT, "kernels")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                found += [(name, k) for k in re.findall(r"@(?:triton|gluon)\.jit[^\n]*\ndef (_\w+_kernel)\(", f.read())]
+    return found
+
+
+def _matrix(version):
+    done = run(version, [os.path.join("benchmarks", "compile_check.py"), "--matrix", "--json"], timeout=1800)
+    assert done.returncode == 0, f"compile_check --matrix under Triton {version} failed:\n{done.stderr[-4000:]}"
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert rows and {r["triton"] for r in rows} == {version}, done.stdout[-2000:]
+    return rows
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_every_kernel_compiles_for_sm90_without_new_spills(version):
+    rows = _matrix(version)
+    with open(BASELINE) as f:
+        baseline = json.load(f)[version]
+    for r in rows:  # the table, shown when the test fails
+        print(f"{r['key']:60s} " + (f"FAILED {r['error'][-300:]}" if "error" in r else
+                                    f"regs {r['regs']} spill {r['spill']} smem {r['smem']}"))
+
+    failed = [f"{r['key']}: {r['error']}" for r in rows if "error" in r]
+    assert not failed, f"Triton {version}: compile errors:\n" + "\n".join(failed)
+    unreported = [r["key"] for r in rows if r["spill"] is None]
+    assert not unreported, f"Triton {version}: no ptxas report for {unreported}"
+    grew = [f"{r['key']}: {r['spill']} bytes of spill stores, baseline {baseline.get(r['key'], 0)}"
+            + ("" if r["key"] in baseline else " (not in compile_baseline.json: a new build)")
+            for r in rows if r["spill"] > baseline.get(r["key"], 0)]
+    assert not grew, f"Triton {version}: spills grew:\n" + "\n".join(grew)
+
+    compiled = {r["key"].split(" / ")[-1] for r in rows}
+    missing = [f"{k} (kernels/{file})" for file, k in _kernels_in_sources() if k not in compiled]
+    assert not missing, ("no entry of compile_check.matrix_entries() launches " + ", ".join(missing)
+                         + ": add one that calls its launcher")
