@@ -348,7 +348,7 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
     n_kv_heads = kv.k_q.shape[1]
     d_pad = kv.k_q.shape[3]
     s_pad = kv.k_q.shape[2]
-    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m)
+    qq = quantize_q(q, kv, sm_scale=sm_scale, block_m=block_m)
     grid = (triton.cdiv(seq_q, block_m), n_q_heads, bsz)
     _fsattn_fwd_kernel[grid](
         qq.q_q, qq.q_scale, qq.q_dot_k_mean, out, lse,

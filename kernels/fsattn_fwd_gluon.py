@@ -239,7 +239,7 @@ def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
     block_n = kv.block_n
     # Programs of 3 x 64 rows pad Q to 192 rows, quantised 64 at a time (a Triton block is a power of two).
     pow2 = block_m & (block_m - 1) == 0
-    qq = quantize_q(q, kv.k_mean, sm_scale=sm_scale, block_m=block_m if pow2 else q_tile_rows, pad_multiple=block_m)
+    qq = quantize_q(q, kv, sm_scale=sm_scale, block_m=block_m if pow2 else q_tile_rows, pad_multiple=block_m)
     descriptors = (
         _descriptor(qq.q_q.view(-1, d_pad), [q_tile_rows, d_pad], gl.int8),
         _descriptor(kv.k_q.view(-1, d_pad), [block_n, d_pad], gl.int8),

@@ -1,19 +1,235 @@
-"""The K/V pre-pass and the forward launcher, element by element, against the emulation."""
+"""The K/V pre-pass and the forward launcher, element by element, against float64 statistics, torch
+packing and the emulation.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py) at tiny shapes; on a GPU the same
+checks run on the GPU. Outputs are allocated poisoned (every byte 0xFF: NaN in float formats) where
+a test says so, so that an element the kernels leave unwritten shows.
+"""
 
 import pytest
 import torch
 
 from fsattn_diffusers import FSAttnConfig
+from fsattn_diffusers.kernels import quantize
 from fsattn_diffusers.kernels.fsattn_fwd import FROZEN_RESCALE, fsattn_fwd
-from fsattn_diffusers.kernels.quantize import quantize_q
-from fsattn_diffusers.kernels.quantize import quantize_kv
+from fsattn_diffusers.kernels.quantize import kv_split, quantize_kv, quantize_q, wgmma_key_of_column
 from fsattn_diffusers.reference import _pack_v, _quantize_k, emulate_fsattn, to_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """torch.empty / empty_like fill their memory with 0xFF bytes while the test runs."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        t.view(torch.uint8).fill_(0xFF) if t.numel() else None
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
+def _inputs(bsz=2, seq=150, heads=3, dim=48, masked=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(bsz, seq, heads, dim, generator=gen) * 4 + 1
+    v = torch.randn(bsz, seq, heads, dim, generator=gen) + 2
+    weight = (torch.rand(bsz, seq, generator=gen) > 0.4).float() if masked else None
+    return k.to(DEVICE), v.to(DEVICE), None if weight is None else weight.to(DEVICE)
+
+
+def _stats64(k, v, weight, smooth_v, v_fp8):
+    """K mean, V shift (the mean subtracted from V) and V scale in float64, (B, H, D)."""
+    kd, vd = (t.double().transpose(1, 2) for t in (k, v))
+    keep = (weight != 0)[:, None, :, None]
+    count = weight.double().sum(1).clamp_min(1.0)[:, None, None]
+    k_mean = torch.where(keep, kd, 0.0).sum(2) / count
+    v_shift = torch.where(keep, vd, 0.0).sum(2) / count if smooth_v and v_fp8 else torch.zeros_like(k_mean)
+    if not v_fp8:
+        return k_mean, v_shift, torch.ones_like(k_mean)
+    v_max = torch.where(keep, vd, float("-inf")).amax(2)
+    v_min = torch.where(keep, vd, float("inf")).amin(2)
+    return k_mean, v_shift, torch.maximum(v_max - v_shift, v_shift - v_min).clamp_min(1e-20) / 448.0
+
+
+def _check_prepass(k, v, weight, kv, v_shift, *, block_n, smooth_v, v_dtype):
+    """Every output of quantize_kv (then quantize_q: `kv.v_mean`, with `v_shift` the V mean read
+    before it) against float64 statistics and torch's packing of K and V with those statistics."""
+    bsz, seq, heads, dim = k.shape
+    d_pad = kv.k_q.shape[-1]
+    n_tiles = -(-seq // block_n)
+    s_pad = n_tiles * block_n
+    v_fp8 = v_dtype == FP8
+    w = torch.ones(bsz, seq, device=k.device) if weight is None else weight
+    keep = (w != 0)[:, None, :, None]
+
+    # Statistics: as float64 up to fp32 sums in another order; padding channels 0 (scale 1).
+    k_mean, v_shift64, v_scale = _stats64(k, v, w, smooth_v, v_fp8)
+    torch.testing.assert_close(kv.k_mean[..., :dim].double(), k_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_shift[..., :dim].double(), v_shift64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.v_scale[..., :dim].double(), v_scale, rtol=1e-5, atol=0)
+    assert kv.k_mean[..., dim:].abs().max() == 0 and v_shift[..., dim:].abs().max() == 0
+    assert kv.v_mean[..., dim:].abs().max() == 0 and (kv.v_scale[..., dim:] == 1).all()
+
+    # K: INT8 of (k - mean) over its scale, zero at masked keys, padding keys and channels.
+    kc = torch.where(keep, k.float().transpose(1, 2) - kv.k_mean[:, :, None, :dim], 0.0)
+    kc = torch.nn.functional.pad(kc, (0, d_pad - dim, 0, s_pad - seq))
+    if kv.k_per_token:
+        amax = kc.abs().amax(-1).clamp_min(1e-20)
+        assert kv.k_scale.shape == (bsz, heads, s_pad)
+        torch.testing.assert_close(kv.k_scale, amax / 127, rtol=1e-6, atol=0)
+        k8 = torch.trunc(kc * (127 / amax)[..., None] + torch.where(kc >= 0, 0.5, -0.5))
+    else:
+        amax = kc.view(bsz, heads, n_tiles, block_n * d_pad).abs().amax(-1).clamp_min(1e-20)
+        assert kv.k_scale.shape == (bsz, heads, n_tiles)
+        torch.testing.assert_close(kv.k_scale, amax / 127, rtol=1e-6, atol=0)
+        scale = (127 / amax).repeat_interleave(block_n, -1)[..., None]
+        k8 = torch.trunc(kc * scale + torch.where(kc >= 0, 0.5, -0.5))
+    # A GPU divides 127 / amax to within an ulp: a key on a rounding tie may step by one.
+    assert (kv.k_q.float() - k8).abs().max() <= 1 and (kv.k_q.float() != k8).float().mean() < 1e-3
+    assert kv.k_q[:, :, seq:].abs().max() == 0 and kv.k_q[..., dim:].abs().max() == 0
+    assert (kv.k_q.float().abs().sum(-1)[:, :, :seq] == 0)[~keep[:, :, :, 0].expand(-1, heads, -1)].all()
+
+    # V: (v - shift) / scale in the PV format, transposed, in the layout's key order; exact.
+    scaled = torch.where(keep, v.float().transpose(1, 2) - v_shift[:, :, None, :dim], 0.0)
+    scaled = scaled * (1.0 / kv.v_scale[:, :, None, :dim])
+    if v_fp8:
+        scaled = scaled.clamp(-448.0, 448.0)
+    low = scaled.to(v_dtype)
+    packed = torch.nn.functional.pad(low.float(), (0, d_pad - dim, 0, s_pad - seq)).transpose(-1, -2)
+    columns = torch.arange(s_pad, device=k.device)
+    keys = wgmma_key_of_column(columns) if kv.pv_key_order == "wgmma" else columns
+    assert kv.v_t.dtype == v_dtype and kv.v_t.shape == (bsz, heads, d_pad, s_pad)
+    assert torch.equal(kv.v_t.float(), packed[..., keys])
+
+    # The final V mean: the shift less V's mean rounding error (scaled units times the scale).
+    err = (low.double() - scaled.double()).sum(2) / w.double().sum(1).clamp_min(1.0)[:, None, None]
+    expected = v_shift[..., :dim].double() - err * kv.v_scale[..., :dim].double()
+    torch.testing.assert_close(kv.v_mean[..., :dim].double(), expected, rtol=1e-6, atol=1e-6)
+
+    # Row-sum weights: row 0 the key weight, rows 1-15 zero; one row block unless masked.
+    weights = torch.nn.functional.pad(w, (0, s_pad - seq))[: 1 if weight is None else bsz]
+    assert kv.key_weight.dtype == v_dtype and kv.key_weight.shape == (weights.shape[0], 16, s_pad)
+    assert torch.equal(kv.key_weight[:, 0].float(), weights[:, keys]) and kv.key_weight[:, 1:].float().abs().max() == 0
+
+
+def _prepass(k, v, weight, q=None, **kwargs):
+    """quantize_kv, the V mean before quantize_q, and the QuantizedKV after quantize_q."""
+    kv = quantize_kv(k, v, weight, **kwargs)
+    v_shift = kv.v_mean.clone()
+    if q is None:
+        q = torch.randn(k.shape[0], 5, *k.shape[2:], generator=torch.Generator().manual_seed(9)).to(k.device)
+    quantize_q(q, kv, sm_scale=0.2, block_m=16)
+    return kv, v_shift
+
+
+@pytest.mark.parametrize("v_dtype, smooth_v", [(FP8, True), (FP8, False), (torch.bfloat16, False),
+                                               (torch.float16, False)])
+@pytest.mark.parametrize("k_per_token", [True, False])
+@pytest.mark.parametrize("masked", [False, True])
+def test_prepass_matches_float64_statistics_and_torch_packing(poisoned, v_dtype, smooth_v, k_per_token, masked):
+    # 150 keys: five 32-key tiles, the last short; 12 programs for 6 heads: 2 per head, owning 3 and 2 tiles.
+    k, v, weight = _inputs(masked=masked)
+    kv, v_shift = _prepass(k, v, weight, block_n=32, d_pad=64, k_per_token=k_per_token, smooth_v=smooth_v,
+                           v_dtype=v_dtype, n_programs_target=12)
+    assert kv.n_split == 2
+    _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=smooth_v, v_dtype=v_dtype)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("n_programs_target", [1, 18, 1000])
+def test_wgmma_order_and_any_split(poisoned, masked, n_programs_target):
+    # One program per head, three (2 + 2 + 1 tiles), and one per tile (five).
+    k, v, weight = _inputs(masked=masked, seed=1)
+    kv, v_shift = _prepass(k, v, weight, block_n=32, d_pad=64, pv_key_order="wgmma",
+                           n_programs_target=n_programs_target)
+    assert kv.n_split == {1: 1, 18: 3, 1000: 5}[n_programs_target]
+    _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=True, v_dtype=FP8)
+
+
+def test_a_program_past_the_last_tile_writes_neutral_partials(poisoned):
+    # Four programs of two tiles over five tiles: the fourth owns none. Its partials (and rounding
+    # error) must leave the statistics as they are, over poisoned memory.
+    k, v, weight = _inputs(seed=2)
+    kv = quantize._launch_kv_prepass(k, v, weight, 4, 2, block_n=32, d_pad=64, k_per_token=True, smooth_v=True,
+                                     v_dtype=FP8, pv_key_order="natural")
+    v_shift = kv.v_mean.clone()
+    quantize_q(k[:, :5], kv, sm_scale=0.2, block_m=16)
+    assert kv.n_split == 4
+    _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=True, v_dtype=FP8)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 1e30])
+def test_masked_keys_never_reach_the_outputs(bad):
+    # Whatever a masked key holds (padding tokens may hold inf or NaN), every output byte is the same.
+    k, v, weight = _inputs(seed=3)
+    masked = (weight == 0)[:, :, None, None]
+    clean = _prepass(k.masked_fill(masked, 0.0), v.masked_fill(masked, 0.0), weight, block_n=32, d_pad=64,
+                     n_programs_target=12)[0]
+    dirty = _prepass(k.masked_fill(masked, bad), v.masked_fill(masked, bad), weight, block_n=32, d_pad=64,
+                     n_programs_target=12)[0]
+    for name in ("k_q", "k_scale", "v_t", "key_weight", "workspace"):
+        assert torch.equal(getattr(clean, name).view(torch.uint8), getattr(dirty, name).view(torch.uint8)), name
+
+
+def test_a_batch_row_with_every_key_masked_gives_zeros():
+    k, v, weight = _inputs(seed=4)
+    weight[1] = 0
+    kv, _ = _prepass(k, v, weight, block_n=32, d_pad=64, n_programs_target=12)
+    for name in ("k_q", "v_t", "k_mean", "v_mean"):
+        assert getattr(kv, name)[1].float().abs().max() == 0, name
+    assert (kv.v_scale > 0).all() and torch.isfinite(kv.v_scale).all()
+    assert kv.key_weight[1].float().abs().max() == 0 and kv.key_weight[0, 0].float().sum() == weight[0].sum()
+
+
+def test_grouped_query_heads_read_their_kv_head_and_correct_every_v_mean(poisoned):
+    # 4 query heads over 2 KV heads, batch 2: q . k_mean pairs query head h with KV head h // 2, and
+    # the V-mean correction (one program per batch and KV head) reaches every (batch, KV head).
+    k, v, weight = _inputs(heads=2, seed=5)
+    q = (torch.randn(2, 50, 4, 48, generator=torch.Generator().manual_seed(6)) * 3).to(DEVICE)
+    kv = quantize_kv(k, v, weight, block_n=32, d_pad=64, n_programs_target=8)
+    v_shift = kv.v_mean.clone()
+    qq = quantize_q(q, kv, sm_scale=0.2, block_m=32)
+    expected = (q.float().transpose(1, 2) * kv.k_mean.repeat_interleave(2, 1)[:, :, None, :48]).sum(-1) * 0.2
+    torch.testing.assert_close(qq.q_dot_k_mean[:, :, :50], expected, rtol=1e-5, atol=1e-4)
+    _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=True, v_dtype=FP8)
+
+
+def test_the_prepass_is_deterministic_and_quantize_q_may_run_twice():
+    k, v, weight = _inputs(seed=7)
+    runs = []
+    for _ in range(2):
+        kv = quantize_kv(k, v, weight, block_n=32, d_pad=64, n_programs_target=12)
+        qq = quantize_q(k[:, :40], kv, sm_scale=0.2, block_m=16)
+        runs.append([kv.k_q, kv.k_scale, kv.v_t, kv.key_weight, kv.workspace, qq.q_q, qq.q_scale, qq.q_dot_k_mean])
+    for a, b in zip(*runs):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    v_mean = kv.v_mean.clone()
+    quantize_q(k[:, :40], kv, sm_scale=0.2, block_m=16)  # a launcher falling back to another kernel does this
+    assert torch.equal(kv.v_mean, v_mean)
+
+
+@pytest.mark.parametrize("n_tiles, n_heads, target, expected", [
+    (256, 12, 396, (32, 8)),   # Wan 2.1 1.3B at 480p: 384 programs
+    (591, 40, 396, (9, 66)),   # Wan 2.1 14B at 720p
+    (5, 6, 12, (2, 3)),
+    (5, 6, 18, (3, 2)),
+    (9, 1, 4, (3, 3)),         # 4 programs of 3 tiles would leave the fourth with none
+    (5, 400, 396, (1, 5)),     # more heads than the target: one program per head
+    (10_000, 1, 396, (64, 157)),  # at most MAX_SPLIT per head
+    (1, 1, 396, (1, 1)),
+])
+def test_kv_split(n_tiles, n_heads, target, expected):
+    n_split, per_program = kv_split(n_tiles, n_heads, target)
+    assert (n_split, per_program) == expected
+    assert (n_split - 1) * per_program < n_tiles <= n_split * per_program  # every program owns a tile
+    assert n_split <= min(n_tiles, quantize.MAX_SPLIT)
 
 
 @pytest.mark.parametrize("k_per_token", [True, False])
-@pytest.mark.parametrize("v_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("v_dtype", [FP8, torch.bfloat16])
 @pytest.mark.parametrize("masked", [False, True])
 def test_quantize_kv_matches_emulation(k_per_token, v_dtype, masked):
     gen = torch.Generator().manual_seed(0)
@@ -22,18 +238,15 @@ def test_quantize_kv_matches_emulation(k_per_token, v_dtype, masked):
     weight = None
     if masked:
         weight = (torch.rand(2, 70, generator=gen) > 0.4).float().to(DEVICE)
-    kv = quantize_kv(k, v, weight, block_n=32, d_pad=64, k_per_token=k_per_token,
-                     smooth_v=v_dtype == torch.float8_e4m3fn, v_dtype=v_dtype)
+    kv, _ = _prepass(k, v, weight, block_n=32, d_pad=64, k_per_token=k_per_token,
+                     smooth_v=v_dtype == FP8, v_dtype=v_dtype)
     cfg = FSAttnConfig(k_granularity="token" if k_per_token else "block",
-                       pv_format="fp8_e4m3" if v_dtype == torch.float8_e4m3fn else "16bit")
+                       pv_format="fp8_e4m3" if v_dtype == FP8 else "16bit")
     w = weight if masked else torch.ones(2, 70, device=DEVICE)
     k8, key_scale, k_mean = _quantize_k(k.float().transpose(1, 2), w, cfg, 32)
-    low = to_fp8 if v_dtype == torch.float8_e4m3fn else (lambda t: t.bfloat16().float())
+    low = to_fp8 if v_dtype == FP8 else (lambda t: t.bfloat16().float())
     v_lo, v_scale, v_mean = _pack_v(v.float().transpose(1, 2), w, cfg, low)
     assert kv.k_q.shape == (2, 3, 96, 64) and kv.v_t.shape == (2, 3, 64, 96)
-    # Padding channels and keys are exact zeros; masked keys too.
-    assert kv.k_q[..., 48:].abs().max() == 0 and kv.k_q[:, :, 70:].abs().max() == 0
-    assert kv.v_t.float()[:, :, :, 70:].abs().max() == 0
     # Rounding at exact ties may differ by one step between Triton and torch; nothing else may.
     assert (kv.k_q[..., :48].float() - k8[..., :48]).abs().max() <= 1
     assert (kv.k_q[..., :48].float() != k8[..., :48]).float().mean() < 1e-3
@@ -43,7 +256,6 @@ def test_quantize_kv_matches_emulation(k_per_token, v_dtype, masked):
     v_kernel = kv.v_t.float().transpose(-1, -2)[:, :, :70, :48]
     assert (v_kernel != v_lo).float().mean() < 1e-3
     torch.testing.assert_close(kv.v_scale[..., :48], v_scale, rtol=1e-3, atol=1e-6)
-    assert torch.equal(kv.key_weight.float()[:, 0, :70].expand(2, 70), w) and kv.key_weight.float()[:, 1:].abs().max() == 0
 
 
 def test_forward_writes_every_output_element():
@@ -63,27 +275,26 @@ def test_forward_writes_every_output_element():
     torch.testing.assert_close(lse, emu_lse, rtol=1e-5, atol=5e-3)
 
 
-def test_quantize_q_folds_scale_and_pads():
+def test_quantize_q_folds_scale_and_pads(poisoned):
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, 50, 4, 48, generator=gen).to(DEVICE) * 3
-    k_mean = torch.randn(2, 2, 64, generator=gen).to(DEVICE)  # GQA: 2 KV heads for 4 query heads
-    k_mean[..., 48:] = 0
-    qq = quantize_q(q, k_mean, sm_scale=0.2, block_m=32)
-    assert qq.q_q.shape == (2, 4, 64, 64) and qq.q_q[:, :, 50:].abs().max() == 0
+    k, v, _ = _inputs(heads=2, masked=False, seed=8)  # GQA: 2 KV heads for 4 query heads
+    kv = quantize_kv(k, v, None, block_n=32, d_pad=64)
+    qq = quantize_q(q, kv, sm_scale=0.2, block_m=32)
+    assert qq.q_q.shape == (2, 4, 64, 64) and qq.q_q[:, :, 50:].abs().max() == 0 and qq.q_q[..., 48:].abs().max() == 0
     q_log2 = q.float().transpose(1, 2) * 0.2 * 1.4426950408889634
     scale = q_log2.abs().amax(-1) / 127
     torch.testing.assert_close(qq.q_scale[:, :, :50], scale)
     dequant = qq.q_q[:, :, :50, :48].float() * qq.q_scale[:, :, :50, None]
     assert (dequant - q_log2).abs().max() <= 0.5 * scale.max() * 1.0001
-    expected = (q.float().transpose(1, 2) * k_mean.repeat_interleave(2, 1)[:, :, None, :48]).sum(-1) * 0.2
-    torch.testing.assert_close(qq.q_dot_k_mean[:, :, :50], expected, rtol=1e-5, atol=1e-4)
+    k_mean = k.double().mean(1)  # (B, Hkv, D)
+    expected = (q.double().transpose(1, 2) * k_mean.repeat_interleave(2, 1)[:, :, None]).sum(-1) * 0.2
+    torch.testing.assert_close(qq.q_dot_k_mean[:, :, :50].double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_the_wgmma_key_order_gives_each_thread_its_own_keys():
     # In the m64nNk32 score accumulator, thread q of a quad holds keys 8g + 2q + {0, 1} of every 32;
     # as the 8-bit register operand of the PV GEMM it holds k = 4q + {0..3} and 16 + 4q + {0..3}.
-    from fsattn_diffusers.kernels.quantize import wgmma_key_of_column
-
     keys = wgmma_key_of_column(torch.arange(96))
     assert torch.equal(keys.sort().values, torch.arange(96))
     for chunk in range(3):
@@ -95,23 +306,20 @@ def test_the_wgmma_key_order_gives_each_thread_its_own_keys():
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_wgmma_key_order_permutes_only_v_and_the_row_sum_weights(masked):
-    from fsattn_diffusers.kernels.quantize import wgmma_key_of_column
-
     gen = torch.Generator().manual_seed(3)
     k = (torch.randn(2, 150, 2, 64, generator=gen) * 3).to(DEVICE)
     v = (torch.randn(2, 150, 2, 64, generator=gen) + 1).to(DEVICE)
     weight = (torch.rand(2, 150, generator=gen) > 0.3).float().to(DEVICE) if masked else None
-    natural = quantize_kv(k, v, weight, block_n=64, d_pad=64)
-    wgmma = quantize_kv(k, v, weight, block_n=64, d_pad=64, pv_key_order="wgmma")
+    natural = _prepass(k, v, weight, block_n=64, d_pad=64)[0]
+    wgmma = _prepass(k, v, weight, block_n=64, d_pad=64, pv_key_order="wgmma")[0]
     assert natural.pv_key_order == "natural" and wgmma.pv_key_order == "wgmma"
     keys = wgmma_key_of_column(torch.arange(natural.v_t.shape[-1], device=DEVICE))
     assert torch.equal(wgmma.v_t.view(torch.uint8), natural.v_t.view(torch.uint8)[..., keys])
     assert torch.equal(wgmma.key_weight.view(torch.uint8), natural.key_weight.view(torch.uint8)[..., keys])
     assert not torch.equal(wgmma.v_t.view(torch.uint8), natural.v_t.view(torch.uint8))
-    for name in ("k_q", "k_scale", "k_mean", "v_scale"):
+    # The same programs sum the same keys in the same order: the statistics are the same bits.
+    for name in ("k_q", "k_scale", "k_mean", "v_scale", "v_mean"):
         assert torch.equal(getattr(wgmma, name), getattr(natural, name)), name
-    # v_mean carries the rounding error summed by atomics, whose order a GPU does not fix.
-    torch.testing.assert_close(wgmma.v_mean, natural.v_mean, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("n", [64, 128])
@@ -120,7 +328,6 @@ def test_the_kernels_operand_order_is_the_quantisers_key_order(n):
     # stored by wgmma_key_of_column. Replayed in torch, operand column c must hold that key.
     ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws",
                              reason="this Triton has no Gluon warp specialisation")
-    from fsattn_diffusers.kernels.quantize import wgmma_key_of_column
 
     rows = 4
     p = torch.arange(rows * n).reshape(rows, n)
@@ -129,9 +336,13 @@ def test_the_kernels_operand_order_is_the_quantisers_key_order(n):
     assert torch.equal(operand, p[:, wgmma_key_of_column(torch.arange(n))])
 
 
-def test_an_unknown_key_order_is_refused():
+def test_bad_arguments_are_refused():
     k = torch.randn(1, 40, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="pv_key_order"):
         quantize_kv(k, k, None, block_n=32, d_pad=64, pv_key_order="shuffled")
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_kv(k, k, None, block_n=16, d_pad=64, pv_key_order="wgmma")
+    with pytest.raises(ValueError, match="d_pad"):
+        quantize_kv(k, k, None, block_n=32, d_pad=48)
+    with pytest.raises(ValueError, match="d_pad"):
+        quantize_kv(k, k, None, block_n=32, d_pad=32)
