@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import FP_FUSION
 from .lowp import INTERPRETER, dot_lowp, to_low_precision
 from .quantize import quantize_q
 
@@ -363,6 +364,6 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
         PV_FP32=pv_fp32, ROWSUM_MMA=rowsum_mma,
         BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=d_pad, ROWSUM_COLS=kv.key_weight.shape[1],
         SOFT_ROUND=INTERPRETER,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
     )
     return out, lse

@@ -21,50 +21,41 @@ GEMM's register operand without moving between threads: V and the row-sum weight
 "wgmma" key order (``quantize_kv(..., pv_key_order="wgmma")``), which matches the keys each
 thread already holds (:func:`_in_wgmma_order`).
 
-The softmax is speculative by default: a tile's exponentials start from the running max of the
-tiles before it, with no row max and no rescale of O. P goes to the row-sum and PV GEMMs as soon
-as it is converted, and whether some P saturated FP8 (a score rose too far above that max) is
-reduced over the warpgroup while they run; only such a tile then takes its true max, rescales the
-accumulators and adds the GEMMs of a correction D = P_true - alpha * P_spec
-(:func:`_corrected_if_saturated`). Taking the max and the rescale out of the common path made
-64-key tiles with a third warpgroup per scheduler pay (NOTES v10 (a)); checking after the issue
-instead of before took the flag's cross-warp reduction off the path from the scores to the GEMMs
-(+4-6 %, NOTES v11 (c)), after which two warpgroups on 128-key tiles are 1-3 % faster again
-(v11 (d)).
+The softmax is speculative: a tile's exponentials start from the running max of the tiles before
+it, with no row max and no rescale of O in the common path (docs/design.md §2.4). P goes to the
+row-sum and PV GEMMs as soon as it is converted, and whether some P saturated FP8 (a score rose
+too far above that max) is reduced over the warpgroup while they run, off the path from the scores
+to the GEMMs; only such a tile then takes its true max, rescales the accumulators and adds the GEMMs
+of a correction D = P_true - alpha * P_spec (:func:`_corrected_if_saturated`). No clamped P
+reaches the output.
 
-Measured on the H200 through ``fsattn()`` (NOTES v11 (d), SDPA beside): 836 and 888 TFLOP/s at
-the Wan-1.3B and 14B shapes (1.47x and 1.57x SDPA), against 826 and 865 for three consumers on
-64 keys and 656-667 for the Triton kernel (v10's check before the issue: 785 and 814 beside
-v11 (c)'s probe). Its distance to float64 on DESIGN section 4's families, measured with 64-key
-tiles, is within 0.08 percentage point of the Triton kernel's relative L1 and 6e-4 of its LSE
-error, and closer on max_staircase (3.11 against 3.51 %); the GPU tests hold both tiles within
-1.1x the Triton kernel's relative L1 plus 0.1 percentage point. At head dim 64 it ties the Triton kernel (484 against 479 TFLOP/s; v11 (d)), so
-head dims up to 64 stay there. Coverage: per-key K scales, FP8 V, tensor-core row sum, no float bias, 64-row warpgroups
-and 64- or 128-key tiles; other configurations run the Triton kernel. Gluon does not run in
-Triton's interpreter: the GPU tests exercise it.
+Two consumer warpgroups on 128-key tiles are the default: with the check after the GEMM issue they
+measured 1-3 % faster than three on 64-key tiles at every head-dim-128 shape (NOTES v11 (d)); three
+warpgroups have too few registers for 128-key tiles. Measured through ``fsattn()`` on the H200
+(NOTES v11 (d), SDPA beside): 836 and 888 TFLOP/s at the Wan-1.3B and 14B shapes (1.47x and 1.57x
+SDPA), against 656-667 for the Triton kernel; its distance to float64 on the input families of
+docs/design.md §4.1 is within 0.08 percentage point of the Triton kernel's relative L1. At head dim
+64 it ties the Triton kernel, so head dims up to 64 stay there (fsattn_diffusers/plan.py decides).
+Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from .configs import GLUON_WS_STAGES
-from .fsattn_fwd_gluon import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
+from .configs import GLUON_WS_CONSUMERS as CONSUMERS
+from .configs import GLUON_WS_MAX_STAGES as MAX_STAGES
+from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
+from .configs import FP_FUSION, GLUON_WS_STAGES
+from .gluon_common import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
 from .gluon_compat import tma_async_load
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
 
-CONSUMER_ROWS = 64  # rows per consumer warpgroup (one m64 wgmma)
-# Consumer warpgroups per program, by key tile. Three warpgroups have 160 registers per thread,
-# too few for 128-key tiles (ptxas spills 892 bytes; NOTES v9 f, v10).
-CONSUMERS = {64: 3, 128: 2}
-# Ring stages that fit in shared memory: ~17 KB per stage at 64 keys, ~34 KB at 128.
-MAX_STAGES = {64: 8, 128: 4}
 # Registers per thread after setmaxnreg: 2 x 128 x 240 + 128 x 24 fills the 64 K register file
 # (232 for two consumers ran 11 % slower, NOTES v7); 3 x 128 x 160 + 128 x 24 = 64,512 of 65,536.
 CONSUMER_REGS = {2: 240, 3: 160}
@@ -402,25 +393,14 @@ def _fsattn_fwd_gluon_ws_kernel(
                             (_producer, producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def supports(layout, bias, frozen, exp_mode, pv_fp32, rowsum_mma, block_m, num_warps, num_stages) -> bool:
-    """Whether this kernel covers the call (else the Triton kernel runs it): the default numerics
-    (per-key K scales, FP8 V, tensor-core row sum, no float bias, no frozen max), 64-row
-    warpgroups of 4 warps, key tiles of 64 (three consumers, 2-8 stages) or 128 (two consumers,
-    2-4 stages), and V and the row-sum weights in the "wgmma" key order (`layout`: the
-    :class:`~.quantize.KVLayout` to quantise to)."""
-    return (bias is None and frozen == 0 and exp_mode == 0 and not pv_fp32 and rowsum_mma
-            and layout.k_per_token and layout.v_dtype == torch.float8_e4m3fn and block_m == CONSUMER_ROWS
-            and layout.block_n in CONSUMERS and layout.pv_key_order == "wgmma" and num_warps == 4
-            and 2 <= num_stages <= MAX_STAGES[layout.block_n])
-
-
 def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
     """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`,
     except that `kv` must be quantised with ``pv_key_order="wgmma"`` and ``block_n`` 64 (three
     consumer warpgroups) or 128 (two). `speculative`: the speculative running max (the default)
     or the online one.
 
-    Callers check :func:`supports` first; a call outside it raises here rather than hang the GPU.
+    The plan (fsattn_diffusers/plan.py) sends it only what it covers; anything else raises here
+    rather than hang the GPU.
     """
     if kv.block_n not in CONSUMERS or not 2 <= num_stages <= MAX_STAGES[kv.block_n]:
         raise ValueError("the warp-specialised Gluon kernel takes 64-key tiles with 2-8 stages or 128-key tiles "
@@ -433,5 +413,6 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
                                  q_tile_rows=CONSUMER_ROWS)
     _fsattn_fwd_gluon_ws_kernel[grid](*args, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3], STAGES=num_stages,
                                       CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
-                                      SPECULATIVE=bool(speculative), N_CONSUMERS=consumers, num_warps=4)
+                                      SPECULATIVE=bool(speculative), N_CONSUMERS=consumers, num_warps=4,
+                                      enable_fp_fusion=FP_FUSION)
     return out, lse

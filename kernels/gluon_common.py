@@ -1,0 +1,117 @@
+"""What both Gluon forward kernels share: the softmax of one score tile, a program's rows in the
+quantised buffers, the epilogue, and the host side of a launch (Q's quantisation, TMA descriptors).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .quantize import ROWSUM_COLS, quantize_q
+
+LN2 = gl.constexpr(0.6931471805599453)
+ROWSUM_N = gl.constexpr(ROWSUM_COLS)
+
+
+@gluon.jit
+def _softmax_tile(s_bits, ks, qs, m):
+    """P = 2**(s - m_new + 8) from the INT32 scores; returns (P fp32, m_new, alpha)."""
+    # A plain conversion, as in the Triton kernel (the magic accumulator start measured slower there).
+    return _softmax_scaled(s_bits.to(gl.float32) * gl.expand_dims(ks, 0), qs, m, 8.0)
+
+
+@gluon.jit
+def _softmax_scaled(pre, qs, m, P_OFFSET: gl.constexpr):
+    """P = 2**(s - m_new + P_OFFSET) from the scores times their key's scale, `pre`."""
+    # The row max of the undequantised scores (qs > 0), so the subtraction rides in the next FMA.
+    m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+    p = gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(P_OFFSET - m_new, 1)))
+    alpha = gl.exp2(m - m_new)
+    return p, m_new, alpha
+
+
+@gluon.jit
+def _program_rows(q_pad, n_q_heads, group, s_pad, w_rows_per_batch, BLOCK_M: gl.constexpr, D_PAD: gl.constexpr):
+    """This program's (batch, head) and the first rows of its Q, K/V, V^T and row-sum weights in
+    the quantised buffers; both Gluon kernels' grids are (query blocks, heads, batch)."""
+    pid_m = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    bh_q = b * n_q_heads + h
+    bh_kv = b * (n_q_heads // group) + h // group
+    q_row = bh_q * q_pad + pid_m * BLOCK_M
+    return pid_m, h, b, bh_q, bh_kv, q_row, bh_kv * s_pad, bh_kv * D_PAD, b * w_rows_per_batch
+
+
+@gluon.jit
+def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, q_row, first_row, bh_q, bh_kv,
+              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, P_OFFSET: gl.constexpr = 8.0):
+    """Normalise, undo V's scale and mean, write O and the natural-log LSE of the rows from
+    `first_row` (of the sequence; `q_row` in the quantised Q buffers) on; P was 2^(x - m + P_OFFSET)."""
+    ROWS: gl.constexpr = acc.shape[0]
+    D_PAD: gl.constexpr = acc.shape[1]
+    o_layout: gl.constexpr = acc.type.layout
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_layout: gl.constexpr = l_acc.type.layout
+    o_cols_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
+    l_o = gl.convert_layout(l_acc, o_row_layout)
+    attended = l_o > 0.0
+    inv_l = gl.where(attended, 1.0 / gl.where(attended, l_o, 1.0), 0.0)
+    rd = gl.arange(0, D_PAD, layout=o_cols_layout)
+    v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
+    v_mean = gl.load(v_mean_ptr + bh_kv * D_PAD + rd)
+    o = (acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(v_scale, 0)
+         + gl.expand_dims(gl.where(attended, 1.0, 0.0), 1) * gl.expand_dims(v_mean, 0))
+    rows = first_row + gl.arange(0, ROWS, layout=o_row_layout)
+    io_mask = gl.expand_dims(rows < seq_q, 1) & gl.expand_dims(rd < head_dim, 0)
+    offs = (b.to(gl.int64) * stride_ob + gl.expand_dims(rows.to(gl.int64), 1) * stride_os
+            + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
+    gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    att_r = l_acc > 0.0
+    lse = gl.where(att_r, (m - P_OFFSET + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2
+                   + gl.load(qkm_ptr + q_row + gl.arange(0, ROWS, layout=row_layout)), float("-inf"))
+    lse_rows = first_row + gl.arange(0, ROWS, layout=row_layout)
+    gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block_shape: tuple, dtype):
+    # Building the layout costs more host time than the rest of a descriptor; it depends only on
+    # the tile's shape and dtype.
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+def _descriptor(t2d: torch.Tensor, block_shape, dtype) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t2d, block_shape, _shared_layout(tuple(block_shape), dtype))
+
+
+def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
+    """Quantise Q and build what both Gluon kernels take: (grid, positional arguments).
+
+    `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
+    """
+    if kv.key_weight.shape[1] != ROWSUM_COLS:
+        raise ValueError(f"the row-sum weights must have {ROWSUM_COLS} rows, got {kv.key_weight.shape[1]}")
+    bsz, seq_q, n_q_heads, head_dim = q.shape
+    _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
+    block_n = kv.block_n
+    # Programs of 3 x 64 rows pad Q to 192 rows, quantised 64 at a time (a Triton block is a power of two).
+    pow2 = block_m & (block_m - 1) == 0
+    qq = quantize_q(q, kv, sm_scale=sm_scale, block_m=block_m if pow2 else q_tile_rows, pad_multiple=block_m)
+    descriptors = (
+        _descriptor(qq.q_q.view(-1, d_pad), [q_tile_rows, d_pad], gl.int8),
+        _descriptor(kv.k_q.view(-1, d_pad), [block_n, d_pad], gl.int8),
+        _descriptor(kv.v_t.view(-1, s_pad), [d_pad, block_n], gl.float8e4nv),
+        _descriptor(kv.key_weight.view(-1, s_pad), [ROWSUM_COLS, block_n], gl.float8e4nv),
+    )
+    args = (*descriptors,
+            qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse,
+            seq_q, qq.q_q.shape[2], head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
+            ROWSUM_COLS if kv.key_weight.shape[0] > 1 else 0,
+            out.stride(0), out.stride(1), out.stride(2))
+    return (triton.cdiv(seq_q, block_m), n_q_heads, bsz), args
