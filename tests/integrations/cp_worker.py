@@ -216,7 +216,7 @@ def ring_attention(rank, world_size, device, *, dtype, seq, heads, head_dim):
 
     import fsattn_diffusers
     from fsattn_diffusers import FSAttnConfig, diffusers_backend, fsattn, register_fsattn_backend
-    from fsattn_diffusers.adversarial import make_family
+    from input_families import make_family
     from fsattn_diffusers.reference import attention_reference
 
     dtype = getattr(torch, dtype)

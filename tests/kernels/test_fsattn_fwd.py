@@ -14,7 +14,7 @@ from fsattn_diffusers.metrics import cosine_similarity as cosine
 from fsattn_diffusers.metrics import relative_l1 as rel_l1
 from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats
 from fsattn_diffusers import ops as fsattn_ops
-from fsattn_diffusers.adversarial import ADDITIVE_MASKED_VALUES, INPUT_FAMILIES, as_additive_mask, make_family
+from input_families import ADDITIVE_MASKED_VALUES, INPUT_FAMILIES, as_additive_mask, make_family
 from fsattn_diffusers.reference import attention_reference, emulate_fsattn
 
 GPU = torch.cuda.is_available()
@@ -200,7 +200,7 @@ def test_masked_key_values_change_nothing(monkeypatch, path, garbage):
 
 # (family, min cosine, max relative L1): the op issue's bounds; adversarial families need only be finite
 # and cos >= 0.995. huge_magnitude (scores of ~1e5) is checked for finiteness only: no 8-bit score
-# ranks keys whose scores differ by less than the quantisation step (adversarial.py).
+# ranks keys whose scores differ by less than the quantisation step (tests/input_families.py).
 GPU_BOUNDS = {
     "randn": (0.999, 0.04),
     "peaky": (0.999, 0.04),

@@ -111,8 +111,8 @@ def test_warp_specialised_tiles_and_max_policies(block_n, speculative, family):
     # section 4 families it covers (per-key masks; the staircase and the sink saturate the
     # speculative P of many tiles: without their correction the output would be far off). Online
     # at 128 keys is the Triton kernel's arithmetic: bit-close to it. huge_magnitude only has to
-    # stay finite (adversarial.py).
-    from fsattn_diffusers.adversarial import make_family
+    # stay finite (tests/input_families.py).
+    from input_families import make_family
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as ws
     from fsattn_diffusers.kernels.quantize import quantize_kv
 

@@ -10,7 +10,7 @@ import torch
 from fsattn_diffusers.metrics import cosine_similarity as cosine
 from fsattn_diffusers.metrics import relative_l1 as rel_l1
 from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats
-from fsattn_diffusers.adversarial import INPUT_FAMILIES, make_family
+from input_families import INPUT_FAMILIES, make_family
 from fsattn_diffusers.reference import attention_reference
 
 # family -> (min cosine, max relative L1), for every config below.

@@ -115,7 +115,7 @@ def test_config_has_no_unsmoothed_k_option():
 
 @pytest.mark.parametrize("masked_value", ["-inf", "finfo_min", "-1e4"])
 def test_additive_masks_mask_keys_as_bool_masks_do(masked_value):
-    from fsattn_diffusers.adversarial import as_additive_mask, make_family
+    from input_families import as_additive_mask, make_family
 
     q, k, v, mask = make_family("padded_keys", 2, 300, 700, 2, 64, dtype=torch.float32,
                                 generator=torch.Generator().manual_seed(4))

@@ -1,4 +1,4 @@
-"""The input families of DESIGN.md section 4, for tests and benchmarks.
+"""The input families of docs/design.md §4.1, for the tests: fresh random inputs built to break the kernels.
 
 Each family returns ``(q, k, v, attn_mask)`` in ``(B, S, H, D)`` layout. They are built to stress
 the speculative max: a late sink (one key far above all others, late in the sequence), a max
