@@ -61,6 +61,18 @@ N_PROGRAMS_TARGET = 3 * 132
 MAX_SPLIT = 64
 # Partials reduced per step (rows of one [SPLIT_BLOCK, D_pad] load).
 SPLIT_BLOCK = 16
+# Key tiles in flight per program (tl.range's software pipelining of the loops' loads): two
+# measured 1.2-1.4x faster than one at the Wan and HunyuanVideo shapes on an H200 (Triton 3.6),
+# the same at head dim 64.
+LOOP_STAGES = 2
+# Warps per pre-pass program; eight measured slower than four.
+PREPASS_WARPS = 4
+# Register ceilings (ptxas's .maxnreg). Left to itself ptxas aimed at 80, 128 or 168 registers,
+# by release, and left a few bytes of spill stores in some builds of Triton 3.6 and 3.7. The
+# packing kernel stays at three programs per SM (255 took it to two: 1.3-1.6x slower), except
+# with per-block K scales, whose K loop holds a whole tile.
+STATS_MAX_REGISTERS = 255
+PACK_MAX_REGISTERS = 168
 
 _POS_INF = tl.constexpr(float("inf"))
 _NEG_INF = tl.constexpr(float("-inf"))
@@ -275,14 +287,27 @@ def quantize_q(q, kv: QuantizedKV, *, sm_scale, block_m, pad_multiple=None) -> Q
 
 
 @triton.jit
+def _key_weights(w_ptr, b, keys, seq_len, stride_wb, stride_ws, HAS_WEIGHT: tl.constexpr):
+    """Whether each of `keys` is a key (not padding), and its weight (0 for padding)."""
+    is_key = keys < seq_len
+    weight = is_key.to(tl.float32)
+    if HAS_WEIGHT:
+        weight = tl.load(w_ptr + b * stride_wb + keys * stride_ws, mask=is_key, other=0.0).to(tl.float32)
+    return is_key, weight
+
+
+@triton.jit
 def _key_tile(w_ptr, b, tile, seq_len, stride_wb, stride_ws, HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr):
     """Key tile `tile` of ROWS keys: its rows, whether each is a key, and its weight (0 for padding)."""
     rows = tl.arange(0, ROWS).to(tl.int64) + tile * ROWS  # `tile` is a loop index: a Python int when interpreted
-    row_in = rows < seq_len
-    weight = row_in.to(tl.float32)
-    if HAS_WEIGHT:
-        weight = tl.load(w_ptr + b * stride_wb + rows * stride_ws, mask=row_in, other=0.0).to(tl.float32)
+    row_in, weight = _key_weights(w_ptr, b, rows, seq_len, stride_wb, stride_ws, HAS_WEIGHT)
     return rows, row_in, weight
+
+
+@triton.jit
+def _wgmma_key_of_column(c):
+    """wgmma_key_of_column, in a kernel."""
+    return (c & ~31) | (c & 16) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1) | (c & 1)
 
 
 @triton.jit
@@ -306,6 +331,7 @@ def _fsattn_kv_stats_kernel(
     BLOCK_N: tl.constexpr,
     SUB_N: tl.constexpr,
     D_PAD: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -318,32 +344,40 @@ def _fsattn_kv_stats_kernel(
     first = split * tiles_per_program * (BLOCK_N // SUB_N)
     last = tl.minimum(split * tiles_per_program + tiles_per_program, n_tiles) * (BLOCK_N // SUB_N)
 
-    k_sum = tl.zeros([D_PAD], tl.float32)
-    n_attended = tl.zeros([D_PAD], tl.float32)
     # Masked keys are selected away, never multiplied by 0: an inf or NaN in a padding token
-    # must not reach the statistics (0 * inf is NaN). K, then V: one tile live at a time.
-    for sub in range(first, last):
+    # must not reach the statistics (0 * inf is NaN). K, then V: one tile live at a time. Each
+    # thread accumulates its own elements; the reduction over keys comes once, after the loop.
+    k_acc = tl.zeros([SUB_N, D_PAD], tl.float32)
+    n_acc = tl.zeros([SUB_N], tl.float32)
+    for sub in tl.range(first, last, num_stages=LOOP_STAGES):
         rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, SUB_N)
-        n_attended += tl.sum(weight, 0)
+        n_acc += weight
         k = tl.load(k_ptr + b * stride_kb + rows[:, None] * stride_ks + h * stride_kh + cols[None, :] * stride_kd,
                     mask=row_in[:, None] & col_in[None, :], other=0.0).to(tl.float32)
-        k_sum += tl.sum(tl.where((weight[:, None] != 0.0) & col_in[None, :], k, 0.0), 0)
+        k_acc += tl.where((weight[:, None] != 0.0) & col_in[None, :], k, 0.0)
+    k_sum = tl.sum(k_acc, 0)
+    n_attended = tl.zeros([D_PAD], tl.float32) + tl.sum(n_acc, 0)
     v_sum = tl.zeros([D_PAD], tl.float32)
     v_min = tl.full([D_PAD], _POS_INF, tl.float32)
     v_max = tl.full([D_PAD], _NEG_INF, tl.float32)
     if V_MEAN or V_RANGE:
-        for sub in range(first, last):
-            rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, SUB_N)
+        V_ROWS: tl.constexpr = SUB_N // 2  # three accumulators
+        v_sum_acc = tl.zeros([V_ROWS, D_PAD], tl.float32)
+        v_min_acc = tl.full([V_ROWS, D_PAD], _POS_INF, tl.float32)
+        v_max_acc = tl.full([V_ROWS, D_PAD], _NEG_INF, tl.float32)
+        for sub in tl.range(first * 2, last * 2, num_stages=LOOP_STAGES):
+            rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, V_ROWS)
             attended = (weight[:, None] != 0.0) & col_in[None, :]
             v = tl.load(v_ptr + b * stride_vb + rows[:, None] * stride_vs + h * stride_vh + cols[None, :] * stride_vd,
                         mask=row_in[:, None] & col_in[None, :], other=0.0).to(tl.float32)
             if V_MEAN:
-                v_sum += tl.sum(tl.where(attended, v, 0.0), 0)
+                v_sum_acc += tl.where(attended, v, 0.0)
             if V_RANGE:
-                # The range of the attended keys only: masked keys are zeroed in the quantised V,
-                # and a large padding value must not coarsen every attended key's FP8 grid.
-                v_min = tl.minimum(v_min, tl.min(tl.where(attended, v, _POS_INF), 0))
-                v_max = tl.maximum(v_max, tl.max(tl.where(attended, v, _NEG_INF), 0))
+                v_min_acc = tl.minimum(v_min_acc, tl.where(attended, v, _POS_INF))
+                v_max_acc = tl.maximum(v_max_acc, tl.where(attended, v, _NEG_INF))
+        v_sum = tl.sum(v_sum_acc, 0)
+        v_min = tl.min(v_min_acc, 0)
+        v_max = tl.max(v_max_acc, 0)
     # A program that owns no tile writes the neutral elements.
     mine = partials + (bh.to(tl.int64) * n_split + split) * 5 * D_PAD + cols
     tl.store(mine, k_sum)
@@ -353,7 +387,11 @@ def _fsattn_kv_stats_kernel(
     tl.store(mine + 4 * D_PAD, n_attended)
 
 
-@triton.jit
+# seq_len is not specialised: with seq_len % 16 == 0 Triton proves `rows < seq_len` constant over
+# each thread's columns and packs one converted FP8 pair twice into a 32-bit register
+# (mov.b32 {%rs, %rs}); Triton 3.6's build of that wrote garbage into the upper half (the row-sum
+# weights in the natural order, seen on an H200).
+@triton.jit(do_not_specialize=["seq_len"])
 def _quantize_kv_kernel(
     k_ptr, v_ptr, w_ptr, ws_ptr,
     kq_ptr, vt_ptr, rowsum_w_ptr,
@@ -372,6 +410,7 @@ def _quantize_kv_kernel(
     D_PAD: tl.constexpr,
     ROWSUM_COLS: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -413,7 +452,9 @@ def _quantize_kv_kernel(
     first = split * tiles_per_program
     last = tl.minimum(first + tiles_per_program, n_tiles)
     K_ROWS: tl.constexpr = SUB_N if K_PER_TOKEN else BLOCK_N
-    for sub in range(first * (BLOCK_N // K_ROWS), last * (BLOCK_N // K_ROWS)):
+    # A whole tile per step for block scales: one in flight (two spilled).
+    K_STAGES: tl.constexpr = LOOP_STAGES if K_PER_TOKEN else 1
+    for sub in tl.range(first * (BLOCK_N // K_ROWS), last * (BLOCK_N // K_ROWS), num_stages=K_STAGES):
         rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, K_ROWS)
         in_bounds = row_in[:, None] & col_in[None, :]
         k = tl.load(k_ptr + b * stride_kb + rows[:, None] * stride_ks + h * stride_kh + cols[None, :] * stride_kd,
@@ -438,7 +479,7 @@ def _quantize_kv_kernel(
         writes_weights = bh == 0
     w_row = tl.arange(0, ROWSUM_COLS)
     v_err = tl.zeros([D_PAD], tl.float32)
-    for sub in range(first * (BLOCK_N // SUB_N), last * (BLOCK_N // SUB_N)):
+    for sub in tl.range(first * (BLOCK_N // SUB_N), last * (BLOCK_N // SUB_N), num_stages=LOOP_STAGES):
         rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, SUB_N)
         in_bounds = row_in[:, None] & col_in[None, :]
         keep = (weight[:, None] != 0.0) & in_bounds
@@ -453,9 +494,13 @@ def _quantize_kv_kernel(
         v_err += tl.sum(v_low.to(tl.float32) - v, 0)
         if WGMMA_ORDER:  # rows in column order: column c holds key wgmma_key_of_column(c)
             v_low = _wgmma_order(v_low, SUB_N, D_PAD)
-            weight = tl.reshape(_wgmma_order(tl.reshape(weight, [SUB_N, 1]), SUB_N, 1), [SUB_N])
         tl.store(vt_ptr + (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + rows[:, None], v_low)
         if writes_weights:
+            # Column c's weight, gathered from its key: sending the 1-D weights through
+            # _wgmma_order gave wrong bytes on an H200 (Triton 3.6) when seq_len % 16 == 0.
+            if WGMMA_ORDER:
+                _, weight = _key_weights(w_ptr, b, _wgmma_key_of_column(rows), seq_len, stride_wb, stride_ws,
+                                         HAS_WEIGHT)
             w_tile = tl.where((w_row == 0)[:, None], weight[None, :], 0.0)
             tl.store(rowsum_w_ptr + (b * ROWSUM_COLS + w_row)[:, None] * s_pad + rows[None, :],
                      to_low_precision(w_tile, rowsum_w_ptr.dtype.element_ty, SOFT_ROUND))
@@ -465,9 +510,10 @@ def _quantize_kv_kernel(
 
 
 def _sub_tile(block_n, d_pad):
-    """Keys per step of the pre-pass loops: a tile of at most 64 fp32 values per thread of the 4
-    warps (more spilled at 128 keys x 128 channels), at least 32 keys (the wgmma order's group)."""
-    return min(block_n, max(32, 8192 // d_pad))
+    """Keys per step of the pre-pass loops: with LOOP_STAGES tiles in flight, at most 64 fp32
+    values per thread in all (more spilled at head dim 128), at least 32 keys (the wgmma order's
+    group)."""
+    return min(block_n, max(32, 64 * 32 * PREPASS_WARPS // d_pad // LOOP_STAGES))
 
 
 def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smooth_v=True,
@@ -535,13 +581,14 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
     _fsattn_kv_stats_kernel[grid](
         k, v, w_args[0], ws, *shared, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, V_MEAN=smooth_v and v_fp8, V_RANGE=v_fp8, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
-        num_warps=4,
+        LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS, maxnreg=STATS_MAX_REGISTERS,
     )
     _quantize_kv_kernel[grid](
         k, v, w_args[0], ws, k_q, v_t, rowsum_w, *shared, s_pad, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8, SMOOTH_V=smooth_v,
         WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=INTERPRETER, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
-        ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, num_warps=4,
+        ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS,
+        maxnreg=PACK_MAX_REGISTERS if k_per_token else STATS_MAX_REGISTERS,
     )
     return QuantizedKV(
         k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
