@@ -1,0 +1,145 @@
+"""The fixed cost of one fsattn() call: host time with the GPU idle, launches per call, and a CUDA graph.
+
+    python benchmarks/bench_host.py --out host.json     # any CUDA GPU with FP8 tensor cores
+
+* host: wall time per call over many calls of a tiny shape, timed with a CPU clock and one sync at
+  the end. The GPU runs each call's kernels in far less time than the host takes to issue them, so
+  this is the host's cost per call (the GPU time per call is measured too, to show it is smaller).
+* launches: CUDA kernel launches (and memsets) per call, from torch.profiler.
+* graph: the same call captured in a ``torch.cuda.CUDAGraph``: replay time, and whether the replay
+  gives the eager output bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from fsattn_diffusers import FSAttnConfig, fsattn
+
+# name -> (shape (B, S, H, D), mask kind, config fields)
+CASES = {
+    "d128": ((1, 256, 2, 128), None, {}),
+    "d128_bool_mask": ((1, 256, 2, 128), "bool", {}),
+    "d128_float_mask": ((1, 256, 2, 128), "float", {}),
+    "d64": ((1, 256, 2, 64), None, {}),
+    "d128_triton": ((1, 256, 2, 128), None, {"kernel": "triton"}),
+}
+
+
+def _inputs(shape, mask_kind, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    mask = None
+    if mask_kind is not None:
+        keep = torch.ones(shape[0], 1, 1, shape[1], dtype=torch.bool, device="cuda")
+        keep[..., -shape[1] // 4:] = False
+        mask = keep if mask_kind == "bool" else torch.zeros(keep.shape, device="cuda").masked_fill(~keep, -1e4)
+    return q, k, v, mask
+
+
+def host_time(call, calls: int) -> float:
+    """Seconds per call, host clock, one sync at the end."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def gpu_time(call) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(call, warmup=25, rep=200) * 1e-3
+
+
+def launches_per_call(call) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    launch = [n for n in names if n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")]
+    memset = [n for n in names if n.startswith("cudaMemset") or n.startswith("cuMemset")]
+    kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+    return {"launches": len(launch), "memsets": len(memset), "device_kernels": kernels}
+
+
+def graph_check(call, refill) -> dict:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    refill()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = call()
+    torch.cuda.synchronize()
+    replay_s = host_time(graph.replay, 500)
+    return {"bit_equal": bool(torch.equal(captured, eager)), "replay_us": replay_s * 1e6}
+
+
+def environment() -> dict:
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine()}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_host.py measures the cost of GPU calls: it needs a CUDA GPU")
+    rows = []
+    with torch.no_grad():
+        for name in args.cases:
+            shape, mask_kind, fields = CASES[name]
+            q, k, v, mask = _inputs(shape, mask_kind)
+            config = FSAttnConfig(**fields)
+
+            def call():
+                return fsattn(q, k, v, attn_mask=mask, config=config)
+
+            def refill():
+                for dst, src in zip((q, k, v), _inputs(shape, mask_kind, seed=1)[:3]):
+                    dst.copy_(src)
+
+            row = {"case": name, "shape": list(shape), "mask": mask_kind, "config": fields,
+                   "host_us": host_time(call, args.calls) * 1e6, "gpu_us": gpu_time(call) * 1e6}
+            row.update(launches_per_call(call))
+            row["graph"] = graph_check(call, refill)
+            rows.append(row)
+            print(f"{name:16s} host {row['host_us']:7.1f} us/call   GPU {row['gpu_us']:6.1f} us   "
+                  f"launches {row['launches']} memsets {row['memsets']}   graph replay {row['graph']['replay_us']:6.1f} us "
+                  f"bit-equal {row['graph']['bit_equal']}", flush=True)
+    report = {"environment": environment(), "calls": args.calls, "rows": rows}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
