@@ -22,7 +22,7 @@ from .ops import attention_impl, attention_op, kernels_available
 logger = logging.getLogger("fsattn_diffusers")
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 128  # INT8 scores of up to 128 channels fit the exact int-to-float trick (|acc| < 2**22)
+MAX_HEAD_DIM = 128  # the kernels' tiles and registers are sized for padded head dims up to 128
 # An additive mask value at least this far below the largest of its row masks the key: its softmax
 # weight, e**-1e4 relative to that key's, is zero in every float format.
 MASKED_BIAS_GAP = 1e4

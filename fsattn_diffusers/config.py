@@ -8,13 +8,11 @@ import math
 from dataclasses import dataclass
 
 # FP8 e4m3 (the "fn" variant, no infinities) tops out at 448 = 2**8.807. P is stored as
-# 2**(s - frozen_max + p_offset) and must stay below that even when a score overshoots the
+# 2**(s - max + p_offset) and must stay below that even when a score overshoots the
 # frozen max by the whole threshold, so p_offset = P_LOG2_CEILING - max_threshold.
 P_LOG2_CEILING = 8.75
 
 _CHOICES = {
-    "qk_format": ("int8",),
-    "q_granularity": ("token",),
     "k_granularity": ("block", "token"),
     "pv_format": ("fp8_e4m3", "16bit"),
     "max_policy": ("sampled", "online"),
@@ -38,13 +36,11 @@ _BLOCK_SIZES = (16, 32, 64, 128, 256)
 class FSAttnConfig:
     """Numerical choices of :func:`fsattn_diffusers.fsattn`; the defaults are the safe, tested ones.
 
+    Q and K are always INT8 with one scale per query token (INT8 runs at the FP8 tensor-core rate
+    on Hopper and is far more accurate than FP8 e4m3 for Q and K: docs/design.md §2.2).
+
     Attributes
     ----------
-    qk_format : {"int8"}
-        8-bit format of Q and K for the score GEMM. INT8 runs at the FP8 tensor-core rate on
-        Hopper and is far more accurate than FP8 e4m3 for Q and K (DESIGN.md, section 2).
-    q_granularity : {"token"}
-        One scale per query token (free: it is a per-row factor of the dequantising FMA).
     k_granularity : {"block", "token"}
         One scale per block of ``block_n`` keys (a per-tile scalar in the kernel: the
         dequantisation is one FMA per score) or one per key (one more multiply per score; more
@@ -57,13 +53,14 @@ class FSAttnConfig:
         Subtract the per-channel mean of V before quantising it to FP8 and add it back at the end
         (exact: the weights of a row sum to one). ``None``: on for FP8, off for 16-bit, where
         rounding the centred V back to 16 bits would bias every output the same way.
-    max_policy : {"sampled", "online"}
-        ``"sampled"``: a speculative row max taken from two sampled key tiles (the first, and the
-        one level with the query tile), held frozen while no score passes it by more than
-        ``max_threshold``. ``"online"``: a running max. The Triton kernel takes every tile's max
+    max_policy : {"online", "sampled"}
+        ``"online"`` (default): a running row max. The Triton kernel takes every key tile's max
         and rescales; the default Hopper kernel (``"gluon_ws"``) starts each tile from the max of
-        the tiles before it and, only when some P saturated FP8, takes the tile's max, rescales
-        and adds a correction after the tile's GEMMs (no clamped P reaches the output either way).
+        the tiles before it and corrects only a tile where some P saturated FP8 (docs/design.md
+        §2.4). ``"sampled"`` (Triton kernel only): a row max taken from two sampled key tiles
+        (the first, and the one level with the query tile) and held frozen while no score passes
+        it by more than ``max_threshold``; violations are repaired exactly and counted in
+        ``stats()["fallback_q_tiles"]``. No clamped P reaches the output either way.
     on_violation : {"rescale", "recompute"}
         What a query tile does when a score passes the frozen max by more than
         ``max_threshold``: ``"rescale"`` raises the max of the offending rows to that tile's
@@ -94,33 +91,26 @@ class FSAttnConfig:
         Used by the diffusers integrations (:class:`FSAttnProcessor`, :func:`apply_fsattn`, the
         ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
         fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
-        (SDPA), which is exact and, at that size, faster: fsattn's pre-passes and launches cost a
-        fixed ~1.2-1.7 ms, mostly host Python. The default, 1e12, lies between the two H200 points around the
-        crossover (``benchmarks/results/2026-11-30_h200_v11_seqlen_sweep.png``, 12 heads x 128:
-        fsattn is 0.54x of SDPA at 8192 tokens (4.1e11) and 1.19x at 16384 (1.6e12)); it sends
-        cross-attention to a few hundred text tokens to SDPA. ``0`` runs every call on fsattn.
+        (SDPA), which is exact and, at that size, faster, because fsattn has a fixed cost per call
+        (quantisation launches, host time). The default, 1e12, lies at the measured crossover
+        (README, "Measured"); it sends cross-attention to a few hundred text tokens to SDPA.
+        ``0`` runs every call on fsattn.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same attention to within FP8 rounding.
         ``"auto"`` (default): the fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims
         65-128 where it covers the call, else the Triton kernel. ``"triton"``: the Triton kernel,
         every configuration and GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon
-        kernel, a TMA producer warp and two consumer warpgroups on 128-key tiles that take turns
-        at the tensor cores, with a speculative running max (whether some P saturated FP8 is
-        checked while P's GEMMs run; only such a tile is corrected from its true max); 25-36 %
-        faster than the Triton kernel at head dim 128 on the H200, a tie at 64
-        (benchmarks/NOTES.md v8, v10, v11). Its distance to float64 matches the
-        Triton kernel's, but its P is rounded from another max, so its output is not bit-equal.
-        ``"gluon"`` (experimental, Hopper only): the Gluon kernel that overlaps the next tile's
-        score GEMM with the current softmax inside one warpgroup; 8-25 % slower than the Triton
-        kernel (NOTES v4). Both Gluon kernels cover the default numerics only (online max policy,
-        per-key K scales, FP8 PV with the hardware accumulator, tensor-core row sum, no float
-        mask, default tiles); other calls and other GPUs run the Triton kernel.
+        kernel (a TMA producer warp, two consumer warpgroups taking turns at the tensor cores, a
+        speculative running max); its P is rounded from another max than the Triton kernel's, so
+        the two are equally close to exact attention but not bit-equal. ``"gluon"`` (Hopper only,
+        kept as the simplest Gluon schedule, slower than the Triton kernel). Both Gluon kernels
+        cover the default numerics only (online max policy, per-key K scales, FP8 PV with the
+        hardware accumulator, tensor-core row sum, no float mask); other calls and other GPUs run
+        the Triton kernel (fsattn_diffusers/plan.py decides).
     check_finite : bool
         Check the inputs for NaN and Inf and raise (costs a pass over the inputs and a sync).
     """
 
-    qk_format: str = "int8"
-    q_granularity: str = "token"
     k_granularity: str = "token"
     pv_format: str = "fp8_e4m3"
     smooth_v: bool | None = None

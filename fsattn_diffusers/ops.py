@@ -19,7 +19,7 @@ from . import plan as planning
 from . import stats
 from .config import FSAttnConfig
 from .plan import EMULATION, INTERPRETER, plan_for
-from .reference import emulate_fsattn
+from .reference import LOG2E, emulate_fsattn
 
 # Optional: where Triton is missing (macOS, Windows) the CPU emulation still works.
 try:
@@ -32,7 +32,6 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
 # "emulation" (default) runs the PyTorch emulation on CPU tensors; "interpreter" runs the real
 # Triton kernels in Triton's interpreter (needs TRITON_INTERPRET=1 before Triton is imported).
 CPU_PATH = os.environ.get("FSATTN_CPU_PATH", "emulation")
-LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +121,7 @@ def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, out, lse):
         bias = torch.full((key_bias.shape[0], kv.k_q.shape[2]), float("-inf"), dtype=torch.float32, device=q.device)
         bias[:, : key_bias.shape[1]] = key_bias * LOG2E
     fwd.fsattn_fwd(q, kv, out, lse, stats.fallback_counter(q.device), sm_scale=scale, bias=bias,
-                   frozen=plan.frozen_for(k.shape[1]), exp_mode=plan.exp_mode, pv_fp32=plan.pv_fp32,
+                   frozen=plan.max_mode_for(k.shape[1]), exp_mode=plan.exp_mode, pv_fp32=plan.pv_fp32,
                    rowsum_mma=plan.rowsum_mma, max_threshold=plan.max_threshold, block_m=plan.block_m,
                    num_warps=plan.num_warps, num_stages=plan.num_stages)
 

@@ -45,15 +45,15 @@ class LaunchPlan:
     v_dtype: torch.dtype
     smooth_v: bool
     pv_key_order: str  # "natural", or "wgmma" for the warp-specialised kernel
-    frozen_max: int  # the softmax mode of a call with enough key tiles (FROZEN_*)
+    sampled_max_mode: int  # FROZEN_*: the max policy of a call with enough key tiles
     exp_mode: int
     pv_fp32: bool
     rowsum_mma: bool
     max_threshold: float
 
-    def frozen_for(self, seq_k: int) -> int:
-        """The softmax mode of a call with `seq_k` keys."""
-        return self.frozen_max if -(-seq_k // self.block_n) >= MIN_TILES_FOR_FROZEN_MAX else FROZEN_OFF
+    def max_mode_for(self, seq_k: int) -> int:
+        """The max policy (FROZEN_*) of a call with `seq_k` keys."""
+        return self.sampled_max_mode if -(-seq_k // self.block_n) >= MIN_TILES_FOR_FROZEN_MAX else FROZEN_OFF
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -77,7 +77,7 @@ def plan_for(config: FSAttnConfig, target, head_dim: int, has_bias: bool, dtype:
 
 @functools.lru_cache(maxsize=256)
 def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dtype) -> LaunchPlan:
-    from .kernels.configs import GLUON_WS_BLOCK_N, GLUON_WS_STAGES, INTERPRETER as INTERPRETER_TILES
+    from .kernels.configs import GLUON_WS_BLOCK_N, GLUON_WS_STAGES, INTERPRETER_TILES
     from .kernels.configs import default_launch_config
 
     config = FSAttnConfig.from_json(config_json)
@@ -94,7 +94,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
         kernel="triton", block_m=config.block_m or base.block_m, block_n=config.block_n or base.block_n,
         num_warps=config.num_warps or base.num_warps, num_stages=config.num_stages or base.num_stages,
         d_pad=d_pad, k_per_token=config.k_granularity == "token", v_dtype=pv_dtype(config, dtype),
-        smooth_v=config.smooths_v, pv_key_order="natural", frozen_max=frozen,
+        smooth_v=config.smooths_v, pv_key_order="natural", sampled_max_mode=frozen,
         exp_mode=_EXP_MODES[float(config.exp_offload)], pv_fp32=config.pv_accum == "fp32",
         rowsum_mma=config.rowsum == "mma", max_threshold=float(config.max_threshold))
     if target in (INTERPRETER, EMULATION) or tuple(target) != (9, 0):
@@ -119,7 +119,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
 def _default_numerics(plan: LaunchPlan, has_bias: bool) -> bool:
     """The numerics both Gluon kernels implement: online max, per-key K scales, FP8 PV with the
     hardware accumulator, the row sum on the tensor cores, no float mask."""
-    return (not has_bias and plan.frozen_max == FROZEN_OFF and plan.exp_mode == 0 and not plan.pv_fp32
+    return (not has_bias and plan.sampled_max_mode == FROZEN_OFF and plan.exp_mode == 0 and not plan.pv_fp32
             and plan.rowsum_mma and plan.k_per_token and plan.v_dtype == torch.float8_e4m3fn)
 
 

@@ -30,14 +30,11 @@ _TABLE = {
         128: LaunchConfig(64, 128, 4, 3),
     },
 }
-# The warp-specialised Gluon kernel's K/V ring on sm_90 (same 64 x 128 tiles, one program per SM):
-# with P in the PV GEMM's register order, four stages measured 0.5-2.6 % faster than three at the
-# Wan and HunyuanVideo shapes in one process (benchmarks/NOTES.md v8), about the run-to-run spread:
-# a small, not a certain, gain.
+# The warp-specialised Gluon kernel's K/V ring on sm_90: four stages, the most that fit at 128
+# keys, measured no slower than three (within the run-to-run spread; NOTES v8).
 GLUON_WS_STAGES = 4
-# Its key tile: 128 keys run two consumer warpgroups, 64 keys three. With the saturation check
-# before the GEMM issue three on 64 were 2-4 % faster (NOTES v10); with it after the issue, two on
-# 128 measured 1-3 % faster than three on 64 at all four benchmark shapes (NOTES v11 (d)).
+# Its key tile: two consumer warpgroups on 128 keys measured 1-3 % faster than three on 64 at
+# every head-dim-128 shape (NOTES v11 (d)).
 GLUON_WS_BLOCK_N = 128
 # What the warp-specialised kernel covers: 64-row consumer warpgroups (one m64 wgmma each); three
 # consumers on 64-key tiles or two on 128-key tiles (three have too few registers for 128 keys);
@@ -51,7 +48,7 @@ FP_FUSION = True
 # Ada (sm_89) and Blackwell run the same kernel; these are conservative, correct choices.
 _GENERIC = LaunchConfig(64, 64, 4, 2)
 # The Triton interpreter (CPU tests) wants small tiles to stay quick.
-INTERPRETER = LaunchConfig(16, 32, 4, 1)
+INTERPRETER_TILES = LaunchConfig(16, 32, 4, 1)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -64,5 +61,5 @@ def padded_head_dim(head_dim: int) -> int:
 
 def default_launch_config(capability: tuple[int, int] | None, head_dim: int) -> LaunchConfig:
     if capability is None:
-        return INTERPRETER
+        return INTERPRETER_TILES
     return _TABLE.get(tuple(capability), {}).get(padded_head_dim(head_dim), _GENERIC)

@@ -1,37 +1,32 @@
 """The fused-softmax 8-bit attention forward kernel (Triton), one kernel with constexpr variants.
 
-Per query tile of BLOCK_M rows of one head, with Q, K and V already quantised by
-``kernels/quantize.py``:
+It runs every call the warp-specialised Gluon kernel does not (fsattn_diffusers/plan.py decides):
+head dims up to 64, float masks, GPUs other than Hopper, and the non-default numerics. Per query
+tile of BLOCK_M rows of one head, with Q, K and V already quantised by ``kernels/quantize.py``
+(docs/design.md §2):
 
 1. Q is INT8, one scale per token, with the softmax scale and log2(e) folded in, so the score
    GEMM yields log2-domain scores.
-2. Frozen (speculative) row max ``g``: the max of two sampled key tiles (the first, and the one
-   level with the query tile), so ``g`` never exceeds the true row max (no underflow). P is
-   ``2**(s - g + C)`` with ``C = 8.75 - T``. Each tile's row max is still taken, but only to
-   detect a violation (a score above ``g + T``, where P would pass FP8's 448), off the exp's
-   critical path. On a violation (``FROZEN == 2``) the offending rows take that tile's max as
-   their new ``g``, the accumulators are rescaled once and the tile's P recomputed; or
-   (``FROZEN == 1``) the whole query tile is redone with the online softmax after the pass.
-   Query tiles that needed either are counted with an atomic add.
+2. The row max (``FROZEN``). ``FROZEN_OFF`` (the default policy): a running max, rescaled per
+   tile, P scaled by 2**8. ``FROZEN_RESCALE`` / ``FROZEN_RECOMPUTE`` (``max_policy="sampled"``):
+   the max ``g`` of two sampled key tiles (the first, and the one level with the query tile), so
+   ``g`` never exceeds the true row max; P is ``2**(s - g + C)`` with ``C = 8.75 - T``. Each tile's
+   max is still taken, off the exponential's critical path, to detect a violation (a score above
+   ``g + T``, where P would pass FP8's 448): the offending rows take that tile's max, rescale and
+   recompute the tile's P (RESCALE), or the query tile is redone online after the pass
+   (RECOMPUTE). Query tiles that needed either are counted with an atomic add.
 3. The max subtraction rides in the dequantising FMA: the row max is taken on the undequantised
-   INT32-converted scores (the per-row scale is positive), then one FMA per score gives
-   ``s - m + 8``. (Starting the INT32 accumulator at the bits of 1.5 * 2**23, so that a bitcast
-   replaces the int-to-float conversion, was the first version; it measured 3-5 % slower on the
-   H200, benchmarks/NOTES.md v5b.)
-4. Exponential fused with the FP8 quantisation of P: either the special-function unit
-   (``exp2``, then a saturating conversion) or bit arithmetic on the FMA pipes that writes the
-   e4m3 byte directly (Schraudolph's linear exponent with a quadratic correction of the
-   mantissa, clamped so no input yields a NaN or sign bit), or half of the keys of each tile
-   each way (``EXP_MODE``).
+   scores (the per-row scale is positive), then one FMA per score gives ``s - m + offset``.
+4. Exponential fused with the FP8 quantisation of P: the special-function unit (``exp2``, then
+   a saturating conversion), or bit arithmetic on the FMA pipes that writes the e4m3 byte
+   directly (Schraudolph's linear exponent with a quadratic correction of the mantissa, clamped
+   so no input yields a NaN or sign bit), or half of the keys of each tile each way (``EXP_MODE``).
 5. The row sum of P comes from the tensor cores: a GEMM of P with a (keys, 16) operand whose
    column 0 holds each key's weight (1 attended, 0 masked or padding), so it sums exactly the
    quantised P that multiplied V, and masked keys cost no per-element work.
 
-The online path (fallback, or ``FROZEN=False``) is the usual running-max softmax on the same
-quantised operands with P scaled by 2**8.
-
-Reference: DESIGN.md sections 2 and 4; SageAttention2 (arXiv 2411.10958) for the quantisation
-granularities; FlashAttention-3 (arXiv 2407.08608) for the FP8 P scaling.
+References: SageAttention2 (arXiv 2411.10958) for the quantisation granularities;
+FlashAttention-3 (arXiv 2407.08608) for the FP8 P scaling.
 """
 
 from __future__ import annotations
@@ -41,12 +36,9 @@ import triton
 import triton.language as tl
 
 from .configs import FP_FUSION
-from .lowp import INTERPRETER, dot_lowp, to_low_precision
+from .lowp import IN_INTERPRETER, LN2, LOG2E, dot_lowp, to_low_precision
 from .quantize import quantize_q
 
-# Globals a @triton.jit function reads must be tl.constexpr.
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 # 1.5 * 2**23: adding it to a float below 2**22 in magnitude rounds that float to an integer in
 # the low mantissa bits (the bit-level exponential's floor and byte extraction).
 MAGIC_FLOAT = tl.constexpr(12582912.0)
@@ -63,11 +55,6 @@ EXP_MODE_BITS = 2  # every exponential through the bit-level exponential
 
 
 @triton.jit
-def _round_half_away(x):
-    return tl.where(x >= 0, x + 0.5, x - 0.5)
-
-
-@triton.jit
 def _prescores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off,
                K_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, KEYS: tl.constexpr, D_PAD: tl.constexpr):
     """Scores of KEYS keys from `key_off` as (pre, row_scale, row_offset), with the log2-domain score
@@ -76,9 +63,8 @@ def _prescores(q8, qs, kq_ptr, kq_base, ks_ptr, ks_base, tile, key_off,
     rk = key_off + tl.arange(0, KEYS)
     rd = tl.arange(0, D_PAD)
     k8 = tl.load(kq_ptr + kq_base + rk[:, None] * D_PAD + rd[None, :])
-    # A plain INT32 -> FP32 conversion. Starting the accumulator at the bits of 1.5 * 2**23 so that a
-    # bitcast replaced it (DESIGN move 3's trick) measured 3-5 % slower on the H200: initialising
-    # the accumulator costs more than the conversion saves (benchmarks/NOTES.md v5b).
+    # A plain INT32 -> FP32 conversion: a magic-number accumulator start with a bitcast instead
+    # costs more to initialise than the conversion (NOTES v5b).
     acc_f = tl.dot(q8, tl.trans(k8), out_dtype=tl.int32).to(tl.float32)
     if K_PER_TOKEN:
         ks = tl.load(ks_ptr + ks_base + rk)
@@ -127,11 +113,9 @@ def _pv_and_rowsum(p_lo, p, vt_ptr, vt_base, w_ptr, w_base, key_off, s_pad, acc_
         acc_o = dot_lowp(p_lo, tl.trans(v), acc_o, SOFT_ROUND)
     if ROWSUM_MMA:
         # Always added in FP32: chained through Hopper's FP8 accumulator (about 14 bits) over
-        # hundreds of tiles, the row sum lost half its value at S = 32760 (benchmarks/NOTES.md).
+        # hundreds of tiles, the row sum loses half its value at S = 32760 (NOTES v1).
         # Only column 0 of the (rows, ROWSUM_COLS) product is non-zero; reducing it right away keeps
-        # one register per row alive across the loop instead of the whole tile. (Reducing it one
-        # tile later, so that Triton leaves PV running into the next tile's score GEMM, measured
-        # 2-6 % slower: benchmarks/NOTES.md v6.)
+        # one register per row alive across the loop instead of the whole tile (NOTES v6).
         rc = tl.arange(0, ROWSUM_COLS)
         w = tl.load(w_ptr + w_base + rc[:, None] * s_pad + rk[None, :])
         l_tile = dot_lowp(p_lo, tl.trans(w), tl.zeros((BLOCK_M, ROWSUM_COLS), tl.float32), SOFT_ROUND)
@@ -363,7 +347,7 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
         FROZEN=frozen, EXP_MODE=exp_mode, HAS_BIAS=bias is not None, K_PER_TOKEN=kv.k_per_token,
         PV_FP32=pv_fp32, ROWSUM_MMA=rowsum_mma,
         BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=d_pad, ROWSUM_COLS=kv.key_weight.shape[1],
-        SOFT_ROUND=INTERPRETER,
+        SOFT_ROUND=IN_INTERPRETER,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
     )
     return out, lse

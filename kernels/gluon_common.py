@@ -12,9 +12,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .lowp import LN2
 from .quantize import ROWSUM_COLS, quantize_q
 
-LN2 = gl.constexpr(0.6931471805599453)
 ROWSUM_N = gl.constexpr(ROWSUM_COLS)
 
 

@@ -16,7 +16,11 @@ import triton
 import triton.language as tl
 
 # Read once at import, like Triton itself does.
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Globals a @triton.jit function reads must be tl.constexpr.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

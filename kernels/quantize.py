@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lowp import INTERPRETER, to_low_precision
+from .lowp import IN_INTERPRETER, LOG2E, to_low_precision
 
 # e4m3fn's largest finite value.
 FP8_E4M3_MAX = 448.0
@@ -245,7 +245,7 @@ def _quantize_q_kernel(
     q = tl.load(q_ptr + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + cols[None, :] * stride_qd,
                 mask=in_bounds, other=0.0).to(tl.float32)
     k_mean = tl.load(stat)
-    q_log2 = q * (sm_scale * 1.4426950408889634)
+    q_log2 = q * (sm_scale * LOG2E)
     amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
     out_rows = (b * n_heads + h) * q_pad + rows
     tl.store(qq_ptr + out_rows[:, None] * D_PAD + cols[None, :],
@@ -281,7 +281,7 @@ def quantize_q(q, kv: QuantizedKV, *, sm_scale, block_m, pad_multiple=None) -> Q
         q, kv.workspace, q_q, q_scale, q_dot_k_mean,
         seq_len, dim, heads, heads // kv.k_q.shape[1], q_pad, float(sm_scale), kv.n_split,
         *q.stride(),
-        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=INTERPRETER, num_warps=4,
+        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER, num_warps=4,
     )
     return QuantizedQ(q_q, q_scale, q_dot_k_mean)
 
@@ -586,7 +586,7 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
     _quantize_kv_kernel[grid](
         k, v, w_args[0], ws, k_q, v_t, rowsum_w, *shared, s_pad, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8, SMOOTH_V=smooth_v,
-        WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=INTERPRETER, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
+        WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=IN_INTERPRETER, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
         ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS,
         maxnreg=PACK_MAX_REGISTERS if k_per_token else STATS_MAX_REGISTERS,
     )

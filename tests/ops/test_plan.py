@@ -63,12 +63,12 @@ def test_a_float_mask_never_reaches_a_gluon_kernel(gluon_importable):
         assert _plan(FSAttnConfig(kernel=kernel), has_bias=True).kernel == "triton"
 
 
-def test_warp_specialised_tiles_and_stages(gluon_importable):
-    default = _plan()
-    assert (default.block_n, default.block_m, default.num_stages) == (128, 128, 4)  # two consumers
+def test_tiles_and_stages_set_in_the_config_reach_the_warp_specialised_kernel(gluon_importable):
     three = _plan(FSAttnConfig(block_n=64, num_stages=8))
-    assert (three.kernel, three.block_n, three.block_m, three.num_stages) == ("gluon_ws", 64, 192, 8)
+    assert (three.kernel, three.block_n, three.num_stages) == ("gluon_ws", 64, 8)
     assert _plan(FSAttnConfig(num_stages=3)).num_stages == 3
+    # Its programs cover 64 query rows per consumer warpgroup, so Q is padded to that many.
+    assert three.block_m % 64 == 0 and three.block_m > _plan().block_m
 
 
 def test_other_gpus_and_the_cpu_paths_run_the_triton_kernel(gluon_importable):
@@ -110,8 +110,8 @@ def test_a_gluon_kernel_that_fails_to_compile_is_dropped_from_every_plan(gluon_i
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_speculative_max_needs_enough_key_tiles(head_dim):
     plan = _plan(FSAttnConfig(max_policy="sampled"), head_dim=head_dim)
-    assert plan.frozen_for(4 * plan.block_n) == planning.FROZEN_OFF
-    assert plan.frozen_for(4 * plan.block_n + 1) == planning.FROZEN_RESCALE
+    assert plan.max_mode_for(4 * plan.block_n) == planning.FROZEN_OFF
+    assert plan.max_mode_for(4 * plan.block_n + 1) == planning.FROZEN_RESCALE
 
 
 # --- the op with a pretended Hopper: which launcher gets which operands ----------------------------
