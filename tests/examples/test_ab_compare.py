@@ -50,8 +50,13 @@ def test_command_line_sdpa_vs_fsattn_reports_metrics_timings_and_attention_error
     assert report["baseline"]["label"] == "sdpa" and report["candidate"]["label"] == "fsattn"
     assert sum(report["candidate"]["fsattn_stats"]["calls"].values()) == 16  # 2 steps x 2 passes x 4 layers
     assert report["baseline"]["fsattn_stats"]["calls"] == {}
-    for key in ("per_step", "denoise", "total"):
-        assert report["speedup"][key] > 0
+    # Each speed-up is the baseline's time over the candidate's, as both sides report them.
+    base, cand = report["baseline"], report["candidate"]
+    for key, seconds in (("per_step", "step_seconds_steady_mean"), ("denoise", "denoise_seconds"),
+                         ("total", "total_seconds")):
+        assert base[seconds] > 0 and cand[seconds] > 0
+        assert report["speedup"][key] == pytest.approx(base[seconds] / cand[seconds], rel=1e-9)
+    assert f"speed-up {report['speedup']['per_step']:.2f}x" in proc.stdout
     video = report["video"]
     psnr = np.array(video["psnr_db"], dtype=float)
     assert len(psnr) == 9 and np.isfinite(psnr).all()  # 8-bit attention does change the output ...
