@@ -258,7 +258,7 @@ def _frozen_pass(x_raw, pv, first_block, n_q_blocks, config, block_n):
     g = torch.maximum(tile_max[..., 0], tile_max.gather(-1, diag.expand(bsz, heads, rows)[..., None])[..., 0])
     unguessed = pv.blocks_of(g == float("-inf"))
     g = torch.where(g == float("-inf"), 0.0, g)
-    c, threshold, lazy = config.p_offset, config.max_threshold, config.on_violation == "rescale"
+    c, threshold, rescale = config.p_offset, config.max_threshold, config.on_violation == "rescale"
     keys = block_n // 2 if config.exp_offload == 0.5 else block_n
     acc = torch.zeros(bsz, heads, rows, pv.v_lo.shape[-1], device=dev)
     l_sum = torch.zeros(bsz, heads, rows, device=dev)
@@ -276,7 +276,7 @@ def _frozen_pass(x_raw, pv, first_block, n_q_blocks, config, block_n):
 
         p_lo, p, x = exp_block(torch.zeros_like(g))
         block_max = x.amax(-1)
-        if lazy:
+        if rescale:
             violated = block_max - c > threshold
             if violated.any():
                 shift = torch.where(violated, block_max - c, 0.0)
@@ -290,7 +290,7 @@ def _frozen_pass(x_raw, pv, first_block, n_q_blocks, config, block_n):
         pv_block, rowsum = pv(p_lo, p, j0, j0 + keys)
         acc, l_sum = acc + pv_block, l_sum + rowsum
     redo = unguessed
-    if not lazy:
+    if not rescale:
         violated_rows = x_max - c > threshold
         redo = redo | pv.blocks_of(violated_rows)
     return acc, l_sum, g - c, pv.blocks_of(violated_rows) | unguessed, redo

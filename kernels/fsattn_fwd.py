@@ -129,10 +129,12 @@ def _pv_and_rowsum(p_lo, p, vt_ptr, vt_base, w_ptr, w_base, key_off, s_pad, acc_
 @triton.jit
 def _frozen_block(q8, qs, g, acc_o, l_acc, x_max, rescaled, row_ok, tile, key_off, p_offset, max_threshold,
                   kq_ptr, kq_base, ks_ptr, ks_base, vt_ptr, vt_base, w_ptr, w_base, bias_ptr, bias_base, s_pad,
-                  BITS: tl.constexpr, LAZY: tl.constexpr, HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
+                  BITS: tl.constexpr, RESCALE: tl.constexpr, HAS_BIAS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
                   PV_FP32: tl.constexpr, ROWSUM_MMA: tl.constexpr, BLOCK_M: tl.constexpr, KEYS: tl.constexpr,
                   D_PAD: tl.constexpr, ROWSUM_COLS: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """One block of KEYS keys of the speculative pass, P = 2**(s - g + p_offset)."""
+    """One block of KEYS keys of the sampled-max pass, P = 2**(s - g + p_offset). RESCALE
+    (FROZEN_RESCALE) repairs a violation in this block; otherwise (FROZEN_RECOMPUTE) the block's
+    max is only recorded, for the whole query tile to be redone after the pass."""
     PV_DTYPE: tl.constexpr = vt_ptr.dtype.element_ty
     offset = p_offset - g
     if BITS:
@@ -147,7 +149,7 @@ def _frozen_block(q8, qs, g, acc_o, l_acc, x_max, rescaled, row_ok, tile, key_of
         block_max = tl.max(x, 1)
         p = tl.math.exp2(x)
         p_lo = to_low_precision(p, PV_DTYPE, SOFT_ROUND)
-    if LAZY:
+    if RESCALE:
         violated = row_ok & (block_max - p_offset > max_threshold)
         if tl.max(violated.to(tl.int32), 0) > 0:
             # Raise the offending rows' max to this block's max and rescale what they accumulated.
@@ -337,16 +339,16 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
     grid = (triton.cdiv(seq_q, block_m), n_q_heads, bsz)
     _fsattn_fwd_kernel[grid](
         qq.q_q, qq.q_scale, qq.q_dot_k_mean, out, lse,
-        kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale, kv.v_mean, kv.key_weight,
+        kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale, kv.v_mean, kv.rowsum_weights,
         bias if bias is not None else kv.k_scale, fallback_counter,
         seq_q, qq.q_q.shape[2], head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
         float(max_threshold),
         *out.stride(),
-        kv.key_weight.stride(0) if kv.key_weight.shape[0] > 1 else 0,
+        kv.rowsum_weights.stride(0) if kv.rowsum_weights.shape[0] > 1 else 0,
         (bias.stride(0) if bias.shape[0] > 1 else 0) if bias is not None else 0,
         FROZEN=frozen, EXP_MODE=exp_mode, HAS_BIAS=bias is not None, K_PER_TOKEN=kv.k_per_token,
         PV_FP32=pv_fp32, ROWSUM_MMA=rowsum_mma,
-        BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=d_pad, ROWSUM_COLS=kv.key_weight.shape[1],
+        BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=d_pad, ROWSUM_COLS=kv.rowsum_weights.shape[1],
         SOFT_ROUND=IN_INTERPRETER,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
     )

@@ -95,8 +95,8 @@ def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
 
     `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
     """
-    if kv.key_weight.shape[1] != ROWSUM_COLS:
-        raise ValueError(f"the row-sum weights must have {ROWSUM_COLS} rows, got {kv.key_weight.shape[1]}")
+    if kv.rowsum_weights.shape[1] != ROWSUM_COLS:
+        raise ValueError(f"the row-sum weights must have {ROWSUM_COLS} rows, got {kv.rowsum_weights.shape[1]}")
     bsz, seq_q, n_q_heads, head_dim = q.shape
     _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
     block_n = kv.block_n
@@ -107,11 +107,11 @@ def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
         _descriptor(qq.q_q.view(-1, d_pad), [q_tile_rows, d_pad], gl.int8),
         _descriptor(kv.k_q.view(-1, d_pad), [block_n, d_pad], gl.int8),
         _descriptor(kv.v_t.view(-1, s_pad), [d_pad, block_n], gl.float8e4nv),
-        _descriptor(kv.key_weight.view(-1, s_pad), [ROWSUM_COLS, block_n], gl.float8e4nv),
+        _descriptor(kv.rowsum_weights.view(-1, s_pad), [ROWSUM_COLS, block_n], gl.float8e4nv),
     )
     args = (*descriptors,
             qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse,
             seq_q, qq.q_q.shape[2], head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
-            ROWSUM_COLS if kv.key_weight.shape[0] > 1 else 0,
+            ROWSUM_COLS if kv.rowsum_weights.shape[0] > 1 else 0,
             out.stride(0), out.stride(1), out.stride(2))
     return (triton.cdiv(seq_q, block_m), n_q_heads, bsz), args

@@ -10,7 +10,7 @@ e4m3 scale mapping its largest magnitude to 448. For the 16-bit PV product V is 
 B operand K-major and K here is the key axis.
 
 Masked keys and the padding up to a whole tile are written as exact zeros and carry weight 0
-in ``key_weight``; the forward kernel then needs no mask in its loop: a zero key scores 0, which
+in the row-sum operand (``rowsum_weights``); the forward kernel then needs no mask in its loop: a zero key scores 0, which
 never exceeds the row max of the attended keys (their mean score is 0 after smoothing), and its
 weight 0 keeps it out of the output and the row sum.
 
@@ -108,12 +108,14 @@ class QuantizedKV:
     v_t: torch.Tensor  # fp8 e4m3, bf16 or fp16 (B, Hkv, D_pad, S_pad)
     v_scale: torch.Tensor  # fp32 (B, Hkv, D_pad)
     v_mean: torch.Tensor  # fp32 (B, Hkv, D_pad): added back by the epilogue (final after quantize_q)
-    key_weight: torch.Tensor  # v_t's dtype (B or 1, ROWSUM_COLS, S_pad): row 0 is 1 for attended keys
+    # The row-sum GEMM's operand, v_t's dtype (B or 1, ROWSUM_COLS, S_pad): row 0 is each key's
+    # weight (1 attended, 0 masked or padding), the other rows zero.
+    rowsum_weights: torch.Tensor
     k_per_token: bool
     block_n: int
     n_tiles: int
     seq_len: int
-    # "natural": column j of v_t and key_weight is key j. "wgmma": within every 32 keys, column c
+    # "natural": column j of v_t and rowsum_weights is key j. "wgmma": within every 32 keys, column c
     # holds key wgmma_key_of_column(c), the order in which the warp-specialised Gluon kernel's P
     # sits in registers as the PV GEMM's operand (no shuffle between the two GEMMs).
     pv_key_order: str = "natural"
@@ -540,7 +542,7 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
         ``torch.float8_e4m3fn`` (scaled per channel, optionally mean-centred by `smooth_v`),
         ``torch.bfloat16`` or ``torch.float16`` (copied as is).
     pv_key_order : str
-        The order of the keys in ``v_t`` and ``key_weight`` (:class:`QuantizedKV`): ``"natural"``
+        The order of the keys in ``v_t`` and ``rowsum_weights`` (:class:`QuantizedKV`): ``"natural"``
         for the Triton kernel, ``"wgmma"`` for the warp-specialised Gluon kernel.
     n_programs_target : int
         Programs per launch to aim for (:func:`kv_split`); the statistics' fp32 sums follow the split.
@@ -592,6 +594,6 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
     )
     return QuantizedKV(
         k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
-        key_weight=rowsum_w, k_per_token=k_per_token, block_n=block_n, n_tiles=n_tiles,
+        rowsum_weights=rowsum_w, k_per_token=k_per_token, block_n=block_n, n_tiles=n_tiles,
         seq_len=seq_len, pv_key_order=pv_key_order, workspace=ws, n_split=n_split,
     )

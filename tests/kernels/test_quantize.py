@@ -111,8 +111,8 @@ def _check_prepass(k, v, weight, kv, v_shift, *, block_n, smooth_v, v_dtype):
 
     # Row-sum weights: row 0 the key weight, rows 1-15 zero; one row block unless masked.
     weights = torch.nn.functional.pad(w, (0, s_pad - seq))[: 1 if weight is None else bsz]
-    assert kv.key_weight.dtype == v_dtype and kv.key_weight.shape == (weights.shape[0], 16, s_pad)
-    assert torch.equal(kv.key_weight[:, 0].float(), weights[:, keys]) and kv.key_weight[:, 1:].float().abs().max() == 0
+    assert kv.rowsum_weights.dtype == v_dtype and kv.rowsum_weights.shape == (weights.shape[0], 16, s_pad)
+    assert torch.equal(kv.rowsum_weights[:, 0].float(), weights[:, keys]) and kv.rowsum_weights[:, 1:].float().abs().max() == 0
 
 
 def _prepass(k, v, weight, q=None, **kwargs):
@@ -183,7 +183,7 @@ def test_masked_keys_never_reach_the_outputs(bad):
                      n_programs_target=12)[0]
     dirty = _prepass(k.masked_fill(masked, bad), v.masked_fill(masked, bad), weight, block_n=32, d_pad=64,
                      n_programs_target=12)[0]
-    for name in ("k_q", "k_scale", "v_t", "key_weight", "workspace"):
+    for name in ("k_q", "k_scale", "v_t", "rowsum_weights", "workspace"):
         assert torch.equal(getattr(clean, name).view(torch.uint8), getattr(dirty, name).view(torch.uint8)), name
 
 
@@ -194,7 +194,7 @@ def test_a_batch_row_with_every_key_masked_gives_zeros():
     for name in ("k_q", "v_t", "k_mean", "v_mean"):
         assert getattr(kv, name)[1].float().abs().max() == 0, name
     assert (kv.v_scale > 0).all() and torch.isfinite(kv.v_scale).all()
-    assert kv.key_weight[1].float().abs().max() == 0 and kv.key_weight[0, 0].float().sum() == weight[0].sum()
+    assert kv.rowsum_weights[1].float().abs().max() == 0 and kv.rowsum_weights[0, 0].float().sum() == weight[0].sum()
 
 
 def test_grouped_query_heads_read_their_kv_head_and_correct_every_v_mean(poisoned):
@@ -216,7 +216,7 @@ def test_the_prepass_is_deterministic_and_quantize_q_may_run_twice():
     for _ in range(2):
         kv = quantize_kv(k, v, weight, block_n=32, d_pad=64, n_programs_target=12)
         qq = quantize_q(k[:, :40], kv, sm_scale=0.2, block_m=16)
-        runs.append([kv.k_q, kv.k_scale, kv.v_t, kv.key_weight, kv.workspace, qq.q_q, qq.q_scale, qq.q_dot_k_mean])
+        runs.append([kv.k_q, kv.k_scale, kv.v_t, kv.rowsum_weights, kv.workspace, qq.q_q, qq.q_scale, qq.q_dot_k_mean])
     for a, b in zip(*runs):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     v_mean = kv.v_mean.clone()
@@ -328,7 +328,7 @@ def test_the_wgmma_key_order_permutes_only_v_and_the_row_sum_weights(masked):
     assert natural.pv_key_order == "natural" and wgmma.pv_key_order == "wgmma"
     keys = wgmma_key_of_column(torch.arange(natural.v_t.shape[-1], device=DEVICE))
     assert torch.equal(wgmma.v_t.view(torch.uint8), natural.v_t.view(torch.uint8)[..., keys])
-    assert torch.equal(wgmma.key_weight.view(torch.uint8), natural.key_weight.view(torch.uint8)[..., keys])
+    assert torch.equal(wgmma.rowsum_weights.view(torch.uint8), natural.rowsum_weights.view(torch.uint8)[..., keys])
     assert not torch.equal(wgmma.v_t.view(torch.uint8), natural.v_t.view(torch.uint8))
     # The same programs sum the same keys in the same order: the statistics are the same bits.
     for name in ("k_q", "k_scale", "k_mean", "v_scale", "v_mean"):

@@ -150,7 +150,7 @@ def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     natural = quantize_kv(k, v, weight, block_n=kv.block_n, d_pad=64)
     keys = wgmma_key_of_column(torch.arange(natural.v_t.shape[-1]))
     assert torch.equal(kv.v_t.view(torch.uint8), natural.v_t.view(torch.uint8)[..., keys])
-    assert torch.equal(kv.key_weight.view(torch.uint8), natural.key_weight.view(torch.uint8)[..., keys])
+    assert torch.equal(kv.rowsum_weights.view(torch.uint8), natural.rowsum_weights.view(torch.uint8)[..., keys])
     assert torch.equal(kv.k_q, natural.k_q) and torch.equal(kv.k_scale, natural.k_scale)
 
 
@@ -195,7 +195,7 @@ def test_the_launchers_refuse_operands_the_plan_never_sends_them():
 
     def kv(order="natural", block_n=128):
         return SimpleNamespace(k_per_token=True, v_dtype=torch.float8_e4m3fn, block_n=block_n, pv_key_order=order,
-                               key_weight=torch.empty(1, 16, 1))
+                               rowsum_weights=torch.empty(1, 16, 1))
 
     with pytest.raises(ValueError, match="2-4 stages"):
         gluon.fsattn_fwd_gluon(None, kv(), None, None, sm_scale=1.0, num_stages=1)
