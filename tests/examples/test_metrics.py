@@ -199,7 +199,7 @@ def test_fsattn_error_against_the_float64_reference_is_small_but_not_zero():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 700, 2, 64, generator=g) for _ in range(3))
     err = metrics.attention_error(fsattn(q, k, v), attention_reference(q, k, v)[0])
-    # 8-bit attention (DESIGN.md section 2): cosine about 0.9994, relative L1 a few percent.
+    # 8-bit attention (docs/design.md §2): cosine about 0.9994, relative L1 a few percent.
     assert 0.995 < err["cosine"] < 0.99999
     assert 1e-3 < err["rel_l1"] < 0.08
     assert err["worst_row_cosine"] <= err["cosine"]

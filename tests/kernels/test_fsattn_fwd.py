@@ -2,7 +2,7 @@
 
 On CPU the kernels run in Triton's interpreter at tiny shapes and tiles (the interpreter's float
 conversions are made exact by kernels/lowp.py, so kernel and emulation agree to rounding). On a
-GPU the same checks run at real lengths, on every input family of DESIGN.md section 4.
+GPU the same checks run at real lengths, on every input family of docs/design.md §4.1.
 """
 
 import math

@@ -1,4 +1,4 @@
-"""The CPU emulation of the kernel's numerics against float64, on every family of DESIGN.md section 4.
+"""The CPU emulation of the kernel's numerics against float64, on every family of docs/design.md §4.1.
 
 These are the accuracy bounds of the op issue, checked at moderate lengths on the CPU; the GPU
 tests check the same families at real lengths and that the kernel matches this emulation.
