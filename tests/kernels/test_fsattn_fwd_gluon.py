@@ -107,8 +107,8 @@ def _assert_as_close_to_float64_as_the_triton_kernel(out, lse, out_t, lse_t, ref
 @pytest.mark.parametrize("family", ["randn", "peaky", "max_staircase", "late_sink", "masked_keys", "fully_masked",
                                     "huge_magnitude"])
 def test_warp_specialised_tiles_and_max_policies(block_n, speculative, family):
-    # Each of the kernel's four builds against float64 and the Triton kernel, on the DESIGN
-    # section 4 families it covers (per-key masks; the staircase and the sink saturate the
+    # Each of the kernel's four builds against float64 and the Triton kernel, on the input
+    # families of docs/design.md §4.1 it covers (per-key masks; the staircase and the sink saturate the
     # speculative P of many tiles: without their correction the output would be far off). Online
     # at 128 keys is the Triton kernel's arithmetic: bit-close to it. huge_magnitude only has to
     # stay finite (tests/input_families.py).
