@@ -7,10 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 
-# FP8 e4m3 (the "fn" variant, no infinities) tops out at 448 = 2**8.807. P is stored as
-# 2**(s - max + p_offset) and must stay below that even when a score overshoots the
-# frozen max by the whole threshold, so p_offset = P_LOG2_CEILING - max_threshold.
-P_LOG2_CEILING = 8.75
+from .kernels.configs import P_LOG2_CEILING
 
 _CHOICES = {
     "k_granularity": ("block", "token"),

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from .config import FSAttnConfig
+from .kernels.configs import (EXP_MODE_BITS, EXP_MODE_HALF, EXP_MODE_SFU, FROZEN_OFF, FROZEN_RECOMPUTE,
+                              FROZEN_RESCALE)
 
 logger = logging.getLogger("fsattn_diffusers")
 
-# The forward kernels' softmax modes (kernels/fsattn_fwd.py's FROZEN_* and EXP_MODE_*), here so
-# that a plan can be made where Triton is absent.
-FROZEN_OFF, FROZEN_RECOMPUTE, FROZEN_RESCALE = 0, 1, 2
-_EXP_MODES = {0.0: 0, 0.5: 1, 1.0: 2}
+_EXP_MODES = {0.0: EXP_MODE_SFU, 0.5: EXP_MODE_HALF, 1.0: EXP_MODE_BITS}
 # Sampling the speculative max costs two score tiles per query tile; with this many key tiles or
 # fewer (cross-attention to text) that is most of the work, and the online softmax runs instead.
 MIN_TILES_FOR_FROZEN_MAX = 5
@@ -119,7 +118,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
 def _default_numerics(plan: LaunchPlan, has_bias: bool) -> bool:
     """The numerics both Gluon kernels implement: online max, per-key K scales, FP8 PV with the
     hardware accumulator, the row sum on the tensor cores, no float mask."""
-    return (not has_bias and plan.sampled_max_mode == FROZEN_OFF and plan.exp_mode == 0 and not plan.pv_fp32
+    return (not has_bias and plan.sampled_max_mode == FROZEN_OFF and plan.exp_mode == EXP_MODE_SFU and not plan.pv_fp32
             and plan.rowsum_mma and plan.k_per_token and plan.v_dtype == torch.float8_e4m3fn)
 
 

@@ -11,6 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# FP8 e4m3 (the "fn" variant, no infinities) tops out at 448 = 2**8.807. P is stored as
+# 2**(s - max + p_offset) and must stay below that even when a score overshoots the sampled max by
+# the whole threshold, so p_offset = P_LOG2_CEILING - max_threshold.
+P_LOG2_CEILING = 8.75
+# The Triton kernel's row-max policies (its FROZEN constexpr) and exponentials (EXP_MODE): plain
+# numbers here, so that the launch plan is made where Triton is absent.
+FROZEN_OFF = 0  # a running max, rescaled per tile
+FROZEN_RECOMPUTE = 1  # sampled max; a violated query tile is redone with the running max after the pass
+FROZEN_RESCALE = 2  # sampled max; a violation raises the offending rows' max and rescales once
+EXP_MODE_SFU = 0  # every exponential on the special-function unit
+EXP_MODE_HALF = 1  # second half of each key tile through the bit-level exponential
+EXP_MODE_BITS = 2  # every exponential through the bit-level exponential
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     block_m: int

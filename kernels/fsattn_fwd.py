@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import FP_FUSION
+from . import configs
+from .configs import (EXP_MODE_BITS, EXP_MODE_HALF, EXP_MODE_SFU, FP_FUSION, FROZEN_OFF,  # noqa: F401
+                      FROZEN_RECOMPUTE, FROZEN_RESCALE)
 from .lowp import IN_INTERPRETER, LN2, LOG2E, dot_lowp, to_low_precision
 from .quantize import quantize_q
 
@@ -43,15 +45,11 @@ from .quantize import quantize_q
 # the low mantissa bits (the bit-level exponential's floor and byte extraction).
 MAGIC_FLOAT = tl.constexpr(12582912.0)
 # log2 of the largest P a frozen max may produce: 2**8.75 < 448, FP8 e4m3's top
-# (fsattn_diffusers/config.py's P_LOG2_CEILING).
-P_LOG2_CEILING = tl.constexpr(8.75)
+P_LOG2_CEILING = tl.constexpr(configs.P_LOG2_CEILING)
 # Quadratic correction of the linear (Schraudolph) exponent: 2**f - 1 - f ~= -KAPPA f (1 - f)
 # on [0, 1); the residual is below 0.004 of the mantissa, far under FP8's rounding step.
 EXP_KAPPA = tl.constexpr(0.3431)
 
-EXP_MODE_SFU = 0  # every exponential on the special-function unit
-EXP_MODE_HALF = 1  # second half of each key tile through the bit-level exponential
-EXP_MODE_BITS = 2  # every exponential through the bit-level exponential
 
 
 @triton.jit
@@ -307,9 +305,6 @@ def _fsattn_fwd_kernel(
     tl.store(lse_ptr + (b * n_q_heads + h) * seq_q + rows, lse, mask=row_ok)
 
 
-FROZEN_OFF = 0  # online softmax only
-FROZEN_RECOMPUTE = 1  # frozen max; a violated query tile is redone with the online softmax
-FROZEN_RESCALE = 2  # frozen max; a violation raises the offending rows' max and rescales once
 
 
 def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen=FROZEN_RESCALE,
