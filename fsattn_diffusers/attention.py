@@ -24,8 +24,9 @@ logger = logging.getLogger("fsattn_diffusers")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 128  # the kernels' tiles and registers are sized for padded head dims up to 128
 # An additive mask value at least this far below the largest of its row masks the key: its softmax
-# weight, e**-1e4 relative to that key's, is zero in every float format.
-MASKED_BIAS_GAP = 1e4
+# weight, e**-1000 relative to that key's, is zero in every float format (float64's smallest
+# subnormal is e**-744). Not 1e4: LTX-Video's -10000 rounds to -9984 in a bfloat16 mask.
+MASKED_BIAS_GAP = 1e3
 # Rows of float32 scores the exact fallback's log-sum-exp holds at once, over all heads (256 MiB).
 EXACT_LSE_SCORES = 1 << 26
 _logged_fallbacks: set[str] = set()
@@ -154,7 +155,7 @@ def fsattn(query, key, value, attn_mask=None, scale=None, layout="NHD", return_l
         be a multiple of ``Hkv`` (grouped-query attention). ``Sk`` may differ from ``Sq``.
     attn_mask : Tensor or None
         Boolean (True = attend) or additive float, broadcastable (SDPA's rules) to
-        ``(B, 1, 1, Sk)``: a key-padding mask. In a float mask, a value 1e4 or more below the
+        ``(B, 1, 1, Sk)``: a key-padding mask. In a float mask, a value 1,000 or more below the
         largest of its row (``-inf``, ``torch.finfo(dtype).min``, ``-10000``) masks that key, as a
         boolean False does; other values are added to the scores. A mask that varies over queries
         or heads raises :class:`UnsupportedInputError`. A row whose keys are all masked returns

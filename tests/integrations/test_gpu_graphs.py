@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsattn_diffusers import FSAttnConfig, apply_fsattn, fsattn
+from fsattn_diffusers import FSAttnConfig, apply_fsattn, fsattn, reset_stats, stats
 
 from .conftest import cosine
 
@@ -45,7 +45,11 @@ def test_a_captured_call_replays_the_eager_output_bit_for_bit(head_dim, mask_kin
         assert torch.isfinite(captured).all()
 
 
-def test_reduce_overhead_compile_of_a_wan_block_matches_default_compile_and_eager():
+def test_reduce_overhead_compile_of_a_wan_block_replays_its_own_output_bit_for_bit():
+    # Two compilations of one block need not agree bit for bit (inductor benchmarks reduction
+    # configs on the first run), so the replay is compared with the same compiled code run
+    # without a graph: cudagraph trees run a warm-up call eagerly, record on the next, then replay.
+    # New inputs between the calls catch a replay that reuses stale pointers or host-side state.
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
@@ -55,19 +59,24 @@ def test_reduce_overhead_compile_of_a_wan_block_matches_default_compile_and_eage
                                   num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                                   eps=1e-6).to("cuda", torch.bfloat16).eval()
     apply_fsattn(model, config=FSAttnConfig(sdpa_below_flops=0))
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(1, 16, 4, 64, 64, device="cuda", dtype=torch.bfloat16, generator=gen),
-                  timestep=torch.tensor([500], device="cuda"),
-                  encoder_hidden_states=torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=gen),
-                  return_dict=False)
+
+    def inputs(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        return dict(hidden_states=torch.randn(1, 16, 4, 64, 64, device="cuda", dtype=torch.bfloat16, generator=gen),
+                    timestep=torch.tensor([500], device="cuda"),
+                    encoder_hidden_states=torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16,
+                                                      generator=gen),
+                    return_dict=False)
+
     with torch.no_grad():
-        eager = model(**inputs)[0]
-        block = model.blocks[0]
-        block.compile(fullgraph=True)
-        default = model(**inputs)[0].clone()
-        torch._dynamo.reset()
-        block.compile(fullgraph=True, mode="reduce-overhead")
-        for _ in range(3):  # record, then replay the graph
-            reduced = model(**inputs)[0].clone()
-    assert torch.equal(reduced, default)
-    assert cosine(reduced, eager) > 0.9999
+        eager = model(**inputs(1))[0]
+        model.blocks[0].compile(fullgraph=True, mode="reduce-overhead")
+        reset_stats()
+        warm_up = model(**inputs(1))[0].clone()  # compiled code, no graph yet
+        model(**inputs(2))  # recorded
+        replayed = model(**inputs(1))[0].clone()
+        replayed_again = model(**inputs(3))[0].clone()
+    assert stats()["calls"].get("kernel", 0) >= 2, "fsattn did not run inside the compiled block"
+    assert torch.equal(replayed, warm_up)
+    assert not torch.equal(replayed_again, replayed)
+    assert cosine(replayed, eager) > 0.9999
