@@ -72,9 +72,12 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
     q_tiles = bsz * heads * -(-seq_q // plan.block_m)
     if q.device.type == "cuda":
         # Triton launches on the current device; a model on cuda:1 (device_map, multi-GPU pipelines)
-        # may run while cuda:0 is current.
-        with torch.cuda.device(q.device):
+        # may run while cuda:0 is current. (Switching costs host time: only when needed.)
+        if q.device.index == torch.cuda.current_device():
             _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, _as_bshd(out, layout), lse)
+        else:
+            with torch.cuda.device(q.device):
+                _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, _as_bshd(out, layout), lse)
         stats.record_call("kernel", q_tiles)
     elif CPU_PATH == "interpreter":
         _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, _as_bshd(out, layout), lse)

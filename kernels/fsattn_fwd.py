@@ -38,6 +38,7 @@ import triton.language as tl
 from . import configs
 from .configs import (EXP_MODE_BITS, EXP_MODE_HALF, EXP_MODE_SFU, FP_FUSION, FROZEN_OFF,  # noqa: F401
                       FROZEN_RECOMPUTE, FROZEN_RESCALE)
+from .launch import Relaunch, cdiv
 from .lowp import IN_INTERPRETER, LN2, LOG2E, dot_lowp, to_low_precision
 from .quantize import quantize_q
 
@@ -331,8 +332,8 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
     d_pad = kv.k_q.shape[3]
     s_pad = kv.k_q.shape[2]
     qq = quantize_q(q, kv, sm_scale=sm_scale, block_m=block_m)
-    grid = (triton.cdiv(seq_q, block_m), n_q_heads, bsz)
-    _fsattn_fwd_kernel[grid](
+    grid = (cdiv(seq_q, block_m), n_q_heads, bsz)
+    Relaunch.of(_fsattn_fwd_kernel)[grid](
         qq.q_q, qq.q_scale, qq.q_dot_k_mean, out, lse,
         kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale, kv.v_mean, kv.rowsum_weights,
         bias if bias is not None else kv.k_scale, fallback_counter,

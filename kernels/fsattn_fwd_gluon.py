@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .configs import FP_FUSION
 from .gluon_common import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
 from .gluon_compat import tma_async_load
+from .launch import Relaunch
 
 @gluon.jit
 def _issue_tile_loads(k_desc, vt_desc, w_desc, k_smem, vt_smem, w_smem, bars, tile, kv_row, vt_row, w_row,
@@ -144,7 +145,7 @@ def fsattn_fwd_gluon(q, kv, out, lse, *, sm_scale, block_m=64, num_warps=4, num_
     if kv.pv_key_order != "natural":
         raise ValueError(f"the Gluon kernel reads V in the natural key order, got {kv.pv_key_order!r}")
     grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=block_m, q_tile_rows=block_m)
-    _fsattn_fwd_gluon_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3],
+    Relaunch.of(_fsattn_fwd_gluon_kernel)[grid](*args, BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3],
                                    STAGES=num_stages, num_warps=num_warps,
                                    enable_fp_fusion=FP_FUSION)
     return out, lse

@@ -52,6 +52,7 @@ from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
 from .configs import FP_FUSION, GLUON_WS_STAGES
 from .gluon_common import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
 from .gluon_compat import tma_async_load
+from .launch import Relaunch
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
@@ -411,7 +412,7 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     consumers = CONSUMERS[kv.block_n]
     grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=consumers * CONSUMER_ROWS,
                                  q_tile_rows=CONSUMER_ROWS)
-    _fsattn_fwd_gluon_ws_kernel[grid](*args, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3], STAGES=num_stages,
+    Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3], STAGES=num_stages,
                                       CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
                                       SPECULATIVE=bool(speculative), N_CONSUMERS=consumers, num_warps=4,
                                       enable_fp_fusion=FP_FUSION)

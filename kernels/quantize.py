@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Relaunch, cdiv
 from .lowp import IN_INTERPRETER, LOG2E, to_low_precision
 
 # e4m3fn's largest finite value.
@@ -275,11 +276,11 @@ def quantize_q(q, kv: QuantizedKV, *, sm_scale, block_m, pad_multiple=None) -> Q
     pad_multiple = pad_multiple or block_m
     if pad_multiple % block_m:
         raise ValueError(f"pad_multiple={pad_multiple} is not a multiple of block_m={block_m}")
-    q_pad = triton.cdiv(seq_len, pad_multiple) * pad_multiple
+    q_pad = cdiv(seq_len, pad_multiple) * pad_multiple
     q_q = torch.empty(bsz, heads, q_pad, d_pad, dtype=torch.int8, device=q.device)
     q_scale = torch.empty(bsz, heads, q_pad, dtype=torch.float32, device=q.device)
     q_dot_k_mean = torch.empty_like(q_scale)
-    _quantize_q_kernel[(q_pad // block_m, heads, bsz)](
+    Relaunch.of(_quantize_q_kernel)[(q_pad // block_m, heads, bsz)](
         q, kv.workspace, q_q, q_scale, q_dot_k_mean,
         seq_len, dim, heads, heads // kv.k_q.shape[1], q_pad, float(sm_scale), kv.n_split,
         *q.stride(),
@@ -554,7 +555,7 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     bsz, seq_len, heads, dim = k.shape
     if d_pad < dim or d_pad & (d_pad - 1):
         raise ValueError(f"d_pad must be a power of two at least the head dim {dim}, got {d_pad}")
-    n_split, tiles_per_program = kv_split(triton.cdiv(seq_len, block_n), bsz * heads, n_programs_target)
+    n_split, tiles_per_program = kv_split(cdiv(seq_len, block_n), bsz * heads, n_programs_target)
     return _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, block_n=block_n, d_pad=d_pad,
                               k_per_token=k_per_token, smooth_v=smooth_v, v_dtype=v_dtype, pv_key_order=pv_key_order)
 
@@ -564,7 +565,7 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
     """quantize_kv's two launches with `n_split` programs per head of `tiles_per_program` tiles
     each (which must cover every tile; a program past the last tile owns none)."""
     bsz, seq_len, heads, dim = k.shape
-    n_tiles = triton.cdiv(seq_len, block_n)
+    n_tiles = cdiv(seq_len, block_n)
     s_pad = n_tiles * block_n
     dev = k.device
     v_fp8 = v_dtype == torch.float8_e4m3fn
@@ -580,12 +581,12 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
     grid = (n_split, bsz * heads)
     shared = (seq_len, dim, heads, n_split, tiles_per_program, n_tiles)
     sub_n = _sub_tile(block_n, d_pad)
-    _fsattn_kv_stats_kernel[grid](
+    Relaunch.of(_fsattn_kv_stats_kernel)[grid](
         k, v, w_args[0], ws, *shared, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, V_MEAN=smooth_v and v_fp8, V_RANGE=v_fp8, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
         LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS, maxnreg=STATS_MAX_REGISTERS,
     )
-    _quantize_kv_kernel[grid](
+    Relaunch.of(_quantize_kv_kernel)[grid](
         k, v, w_args[0], ws, k_q, v_t, rowsum_w, *shared, s_pad, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8, SMOOTH_V=smooth_v,
         WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=IN_INTERPRETER, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,

@@ -1,0 +1,173 @@
+"""kernels/launch.py: when a launch may skip Triton's dispatcher, and what it then passes.
+
+CPU only: a stand-in for a JIT function records which path each call took. The GPU tests (every
+kernel test launches through Relaunch) check the launches themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fsattn_diffusers.kernels import launch
+from fsattn_diffusers.kernels.launch import Relaunch
+
+
+@dataclass
+class _Param:
+    name: str
+    is_constexpr: bool = False
+    has_default: bool = False
+    default: object = None
+
+
+class _Compiled:
+    function = "handle"
+    packed_metadata = ()
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("direct", grid, args))
+
+
+class _JitFunction:
+    """Signature (x_ptr, n, scale, BLOCK: constexpr, FLAG: constexpr = True)."""
+
+    params = [_Param("x_ptr"), _Param("n"), _Param("scale"), _Param("BLOCK", True),
+              _Param("FLAG", True, True, True)]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.log.append(("triton", grid, args, meta))
+            return _Compiled(self.log)
+        return run
+
+
+@pytest.fixture
+def jit(monkeypatch):
+    monkeypatch.setattr(launch, "_on_cuda", lambda args: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return _JitFunction()
+
+
+def _paths(fn):
+    return [entry[0] for entry in fn.log]
+
+
+def test_the_second_call_of_a_key_goes_straight_to_the_compiled_kernel_with_the_constexprs_in_order(jit):
+    x = torch.zeros(64)
+    relaunch = Relaunch(jit)
+    relaunch[(4, 2)](x, 32, 0.5, BLOCK=16, num_warps=4)
+    relaunch[(4, 2)](x, 48, 0.25, BLOCK=16, num_warps=4)
+    assert _paths(jit) == ["triton", "direct"]
+    # Grid padded to three dimensions; BLOCK given, FLAG from its default; options are not arguments.
+    assert jit.log[1][1:] == ((4, 2, 1), (x, 48, 0.25, 16, True))
+
+
+@pytest.mark.parametrize("second", [
+    dict(n=33),  # no longer a multiple of 16
+    dict(first_n=17, n=1),  # as 17, not a multiple of 16, but Triton makes 1 a constant
+    dict(n=1 << 40),  # 64-bit
+    dict(x=torch.zeros(64)[1:]),  # 4 bytes off 16-byte alignment
+    dict(x=torch.zeros(64, dtype=torch.float16)),
+    dict(meta=dict(BLOCK=32, num_warps=4)),
+    dict(meta=dict(BLOCK=16, num_warps=8)),
+])
+def test_any_change_triton_specialises_on_takes_its_path_again(jit, second):
+    x = torch.zeros(64)
+    relaunch = Relaunch(jit)
+    relaunch[(1,)](x, second.get("first_n", 32), 0.5, BLOCK=16, num_warps=4)
+    args = (second.get("x", x), second.get("n", 32), 0.5)
+    relaunch[(1,)](*args, **second.get("meta", dict(BLOCK=16, num_warps=4)))
+    assert _paths(jit) == ["triton", "triton"]
+
+
+def test_a_runtime_parameter_passed_by_name_is_never_remembered(jit):
+    x = torch.zeros(64)
+    relaunch = Relaunch(jit)
+    for scale in (0.5, 0.25):
+        relaunch[(1,)](x, 32, scale=scale, BLOCK=16)
+    assert _paths(jit) == ["triton", "triton"]
+    assert jit.log[1][3]["scale"] == 0.25
+
+
+def test_an_argument_of_unknown_type_takes_tritons_path(jit):
+    relaunch = Relaunch(jit)
+    for _ in range(2):
+        relaunch[(1,)](torch.zeros(64), [1, 2], 0.5, BLOCK=16)
+    assert _paths(jit) == ["triton", "triton"]
+
+
+def test_cpu_tensors_always_take_tritons_path():
+    # The interpreter and benchmarks/compile_check.py launch on CPU tensors: nothing is remembered.
+    fn = _JitFunction()
+    relaunch = Relaunch(fn)
+    for _ in range(2):
+        relaunch[(1,)](torch.zeros(64), 32, 0.5, BLOCK=16)
+    assert _paths(fn) == ["triton", "triton"]
+
+
+def test_every_kernel_launch_site_goes_through_relaunch():
+    # A launch written as kernel[grid](...) would pay Triton's dispatcher on every call.
+    import pathlib
+    import re
+
+    root = pathlib.Path(launch.__file__).parent
+    direct = [f"{p.name}: {m}" for p in root.glob("*.py") for m in re.findall(r"\b_\w+_kernel\[", p.read_text())]
+    assert direct == []
+
+
+def test_a_descriptor_after_the_first_is_what_triton_would_build_and_keeps_no_earlier_tensor():
+    import gc
+    import weakref
+
+    gluon_common = pytest.importorskip("fsattn_diffusers.kernels.gluon_common",
+                                       reason="this Triton has no Gluon (the Gluon kernels are off)")
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    first = torch.zeros(256, 128, dtype=torch.int8)
+    gluon_common._descriptor(first, (64, 128), gl.int8)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None, "a cached descriptor field holds the first tensor"
+    second = torch.zeros(512, 128, dtype=torch.int8)
+    fast = gluon_common._descriptor(second, (64, 128), gl.int8)
+    built = TensorDescriptor.from_tensor(second, [64, 128], gluon_common._shared_layout((64, 128), gl.int8))
+    assert vars(fast).keys() == vars(built).keys()
+    assert fast.base is second
+    for name, value in vars(built).items():
+        if name != "base":
+            assert list(getattr(fast, name)) == list(value) if name in ("shape", "strides") else \
+                getattr(fast, name) == value, name
+    with pytest.raises(ValueError, match="contiguous"):
+        gluon_common._descriptor(torch.zeros(128, 512, dtype=torch.int8).t(), (64, 128), gl.int8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_calls_that_skip_the_dispatcher_give_the_first_calls_bytes(head_dim):
+    from fsattn_diffusers import fsattn
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n = 1000 * 4 * head_dim
+    flat = [torch.randn(n + 8, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+
+    def call(offset):
+        q, k, v = (t[offset:offset + n].view(1, 1000, 4, head_dim) for t in flat)
+        return fsattn(q, k, v)
+
+    first = call(0)  # Triton's path (and compilation)
+    unaligned = call(1)  # 2 bytes off: a new specialisation, Triton's path again
+    assert torch.equal(call(0), first)  # the direct path
+    assert torch.equal(call(1), unaligned)
+    q, k, v = (t[1:1 + n].view(1, 1000, 4, head_dim).clone() for t in flat)
+    torch.testing.assert_close(fsattn(q, k, v), unaligned)  # the same values, aligned
