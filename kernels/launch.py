@@ -8,7 +8,8 @@ does that once per specialisation and afterwards calls the compiled kernel direc
 
 Correctness rests on the key: it must tell apart every pair of calls that Triton would compile
 differently. It is built to be finer than Triton's own specialisation (Triton 3.6-3.9): tensors
-by dtype and 16-byte alignment, integers by ``== 1``, divisibility by 16 and width, floats as one
+by dtype and 16-byte alignment, integers by value (Triton looks at ``== 1``, divisibility by 16
+and width; the value itself is cheaper to key on, and a model calls few shapes), floats as one
 type, descriptors by element type, block, layout, alignment and divisibility of shape and
 strides, the keyword arguments (constexprs and launch options) by value, and the current device.
 An argument of any other type is not keyed: that call, and every call with it, takes Triton's path.
@@ -24,11 +25,8 @@ import functools
 import torch
 
 _UNKEYED = object()
-
-
-def _int_key(x: int):
-    width = 0 if -(1 << 31) <= x < (1 << 31) else 1 if -(1 << 63) <= x < (1 << 63) else 2
-    return (x == 1, x % 16 == 0, width)
+# Keys remembered per kernel before starting afresh (each new one costs one pass through Triton).
+MAX_REMEMBERED = 512
 
 
 def _arg_key(a):
@@ -38,7 +36,7 @@ def _arg_key(a):
     if cls is bool:
         return ("bool", a)
     if cls is int:
-        return _int_key(a)
+        return a
     if cls is float:
         return float
     if a is None:
@@ -49,6 +47,22 @@ def _arg_key(a):
                 getattr(a, "padding", None), tuple(s % 16 == 0 for s in a.strides),
                 tuple(s % 16 == 0 for s in a.shape))
     return _UNKEYED
+
+
+def _args_key(args, _tensor=torch.Tensor):
+    # The common types inline: this runs for every argument of every launch.
+    keys = []
+    for a in args:
+        cls = a.__class__
+        if cls is int:
+            keys.append(a)
+        elif cls is _tensor or isinstance(a, _tensor):
+            keys.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif cls is float:
+            keys.append(float)
+        else:
+            keys.append(_arg_key(a))
+    return tuple(keys)
 
 
 def _on_cuda(args) -> bool:
@@ -104,7 +118,7 @@ class Relaunch:
     def _launch(self, grid, *args, **meta):
         if not self._params or not isinstance(grid, tuple) or not 1 <= len(grid) <= 3 or not _on_cuda(args):
             return self.fn[grid](*args, **meta)
-        keys = tuple(map(_arg_key, args))
+        keys = _args_key(args)
         if _UNKEYED in keys:
             return self.fn[grid](*args, **meta)
         key = (torch.cuda.current_device(), keys, tuple(meta.items()))
@@ -119,6 +133,8 @@ class Relaunch:
         compiled = self.fn[grid](*args, **meta)
         tail = self._tail(len(args), meta)
         if tail is not None and hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
+            if len(self._compiled) >= MAX_REMEMBERED:
+                self._compiled.clear()
             self._compiled[key] = (compiled, tail)
         return compiled
 

@@ -62,13 +62,13 @@ def _paths(fn):
 
 
 def test_the_second_call_of_a_key_goes_straight_to_the_compiled_kernel_with_the_constexprs_in_order(jit):
-    x = torch.zeros(64)
+    x, y = torch.zeros(64), torch.ones(64)
     relaunch = Relaunch(jit)
     relaunch[(4, 2)](x, 32, 0.5, BLOCK=16, num_warps=4)
-    relaunch[(4, 2)](x, 48, 0.25, BLOCK=16, num_warps=4)
+    relaunch[(4, 2)](y, 32, 0.25, BLOCK=16, num_warps=4)  # another tensor and float: the same kernel
     assert _paths(jit) == ["triton", "direct"]
     # Grid padded to three dimensions; BLOCK given, FLAG from its default; options are not arguments.
-    assert jit.log[1][1:] == ((4, 2, 1), (x, 48, 0.25, 16, True))
+    assert jit.log[1][1:] == ((4, 2, 1), (y, 32, 0.25, 16, True))
 
 
 @pytest.mark.parametrize("second", [
