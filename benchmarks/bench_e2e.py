@@ -528,9 +528,13 @@ def run_row(row: Row, transformer, loop: Loop, pipe, settings: Settings, device:
         result = {"row": row.name, "label": label, "setup_seconds": setup_seconds, "first_call_seconds": first_call,
                   "_output": output.float().cpu()}
         summary = fsattn_diffusers.recipe_summary(transformer)["model"]
+        # FP8 is not undone between rows: a later FP8 row finds the layers already in FP8 (the
+        # same weights, quantised the same way) and quantises none itself, so count what runs.
+        fp8_running = sum(isinstance(m, torch.nn.Linear) and type(m.weight).__module__.startswith("torchao.")
+                          for m in transformer.modules())
         result["recipe"] = None if summary is None else {
-            "fused_modules": summary["fused_modules"], "fp8_linear_layers": len(summary["fp8_linear"]),
-            "compiled_modules": summary["compiled_modules"]}
+            "fused_modules": summary["fused_modules"], "fp8_linear_layers_quantized_here": len(summary["fp8_linear"]),
+            "fp8_linear_layers": fp8_running, "compiled_modules": summary["compiled_modules"]}
         if not settings.first_call_only:
             fsattn_diffusers.reset_stats()
             if device.type == "cuda":

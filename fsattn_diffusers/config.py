@@ -89,8 +89,9 @@ class FSAttnConfig:
         ``"fsattn"`` backend), not by :func:`fsattn` itself: on CUDA devices, attention calls of
         fewer than this many FLOPs (``4 * B * Hq * Sq * Sk * D``) run the model's own attention
         (SDPA), which is exact and, at that size, faster, because fsattn has a fixed cost per call
-        (quantisation launches, host time). The default, 1e12, lies at the measured crossover
-        (README, "Measured"); it sends cross-attention to a few hundred text tokens to SDPA.
+        (quantisation launches, host time). The default, 3e11 (about 7,000 tokens at 12 heads of
+        128), lies at the measured crossover on the H200 (README, "Measured": SDPA faster at 4,096
+        tokens, fsattn at 8,192); it sends cross-attention to a few hundred text tokens to SDPA.
         ``0`` runs every call on fsattn.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same attention to within FP8 rounding.
@@ -121,7 +122,7 @@ class FSAttnConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    sdpa_below_flops: float = 1e12
+    sdpa_below_flops: float = 3e11
     kernel: str = "auto"
     check_finite: bool = False
 

@@ -106,8 +106,9 @@ def test_fsattn_rows_run_every_call_on_fsattn_and_compiled_rows_make_one_graph(c
         assert row["dynamo"]["stats.unique_graphs"] == (1 if compiled else 0)  # both blocks share it
         assert row["dynamo"]["graph_breaks"] == 0
     assert rows["fsattn"]["recipe"] is None and rows["default"]["recipe"] is None
-    assert rows["default+compile"]["recipe"] == {"fused_modules": 0, "fp8_linear_layers": 0, "compiled_modules": 2}
-    assert rows["fsattn+fuse+compile"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": 0, "compiled_modules": 2}
+    no_fp8 = {"fp8_linear_layers": 0, "fp8_linear_layers_quantized_here": 0}
+    assert rows["default+compile"]["recipe"] == {"fused_modules": 0, "compiled_modules": 2, **no_fp8}
+    assert rows["fsattn+fuse+compile"]["recipe"] == {"fused_modules": 4, "compiled_modules": 2, **no_fp8}
 
 
 def test_quality_is_measured_against_the_default_row(cli_report):
@@ -153,9 +154,12 @@ def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_p
                          "--no-decode", "--out", str(tmp_path / "fp8.json")])
     rows = {r["row"]: r for r in report["rows"]}
     assert [r["row"] for r in report["rows"]] == ["default", "recipe", "fsattn+fp8+compile"]
-    # 20 block linears, plus 4 fused projections the first time; the second FP8 row finds them quantized.
-    assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": 24, "compiled_modules": 2}
-    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == 0
+    # 20 block linears, plus 4 fused projections the first time; the second FP8 row finds the 20
+    # (unfused again) quantized, and runs them.
+    assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": 24,
+                                        "fp8_linear_layers_quantized_here": 24, "compiled_modules": 2}
+    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 0
+    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == 20
     for name in ("recipe", "fsattn+fp8+compile"):
         assert rows[name]["dynamo"]["graph_breaks"] == 0 and rows[name]["dynamo"]["stats.unique_graphs"] == 1
         assert 0.99 < rows[name]["quality"]["output_cosine"] < 1.0
