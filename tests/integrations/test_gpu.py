@@ -1,4 +1,5 @@
-"""The integration on the GPU kernels: families in bf16, model CPU offload, Wan2.1-1.3B at 480p.
+"""The integration on the GPU kernels: families in bf16, model CPU offload (with fsattn, and with the
+whole recipe), Wan2.1-1.3B at 480p.
 
 Skipped without a CUDA GPU (tests/conftest.py). The Wan2.1-1.3B test prints the forward-time
 ratio (run with ``-s`` to see it).
@@ -60,6 +61,30 @@ def test_model_cpu_offload(apply_first):
     offloaded = run_wan_pipeline(pipe, steps=2).cpu()
     assert fsattn_diffusers.stats()["calls"] == {"kernel": 2 * 2 * 4}
     torch.testing.assert_close(offloaded, on_gpu)
+
+
+@pytest.mark.parametrize("recipe_first", [True, False])
+def test_the_recipe_with_model_cpu_offload_matches_the_recipe_on_the_gpu(recipe_first):
+    # FP8 linears, fused QKV, fsattn and compiled blocks, with the weights moving between CPU and
+    # GPU around each forward. Two compilations need not agree bit for bit: compared by cosine.
+    from fsattn_diffusers import apply_recipe
+
+    options = dict(fsattn_options={"config": EVERY_CALL})
+    pipe = build_wan_pipeline().to("cuda", torch.bfloat16)
+    apply_recipe(pipe, **options)
+    on_gpu = run_wan_pipeline(pipe, steps=2).float().cpu()
+    torch._dynamo.reset()
+    pipe = build_wan_pipeline().to(torch.bfloat16)
+    if recipe_first:
+        apply_recipe(pipe.to("cuda"), **options)
+    pipe.enable_model_cpu_offload()
+    if not recipe_first:
+        apply_recipe(pipe, **options)
+    fsattn_diffusers.reset_stats()
+    offloaded = run_wan_pipeline(pipe, steps=2).float().cpu()
+    assert fsattn_diffusers.stats()["calls"] == {"kernel": 2 * 2 * 4}
+    assert fsattn_diffusers.recipe_summary(pipe)["transformer"]["fp8_linear"], "no layer in FP8"
+    assert cosine(offloaded, on_gpu) > 0.9999
 
 
 @pytest.mark.slow
