@@ -10,6 +10,7 @@ Triton's interpreter).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -73,11 +74,9 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
     if q.device.type == "cuda":
         # Triton launches on the current device; a model on cuda:1 (device_map, multi-GPU pipelines)
         # may run while cuda:0 is current. (Switching costs host time: only when needed.)
-        if q.device.index == torch.cuda.current_device():
+        current = q.device.index == torch.cuda.current_device()
+        with contextlib.nullcontext() if current else torch.cuda.device(q.device):
             _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, _as_bshd(out, layout), lse)
-        else:
-            with torch.cuda.device(q.device):
-                _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, _as_bshd(out, layout), lse)
         stats.record_call("kernel", q_tiles)
     elif CPU_PATH == "interpreter":
         _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, _as_bshd(out, layout), lse)

@@ -4,8 +4,6 @@ quantised buffers, the epilogue, and the host side of a launch (Q's quantisation
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -79,27 +77,22 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
     gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
 
 
-@functools.lru_cache(maxsize=64)
-def _shared_layout(block_shape: tuple, dtype):
-    # Building the layout costs more host time than the rest of a descriptor; it depends only on
-    # the tile's shape and dtype.
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
-
-
 _descriptor_fields: dict = {}
 
 
 def _descriptor(t2d: torch.Tensor, block_shape: tuple, dtype) -> TensorDescriptor:
     """A TMA descriptor of `t2d`, one of the pre-passes' fresh contiguous buffers.
 
-    TensorDescriptor's own checks (16-byte aligned base and rows, positive shape) cost about as
-    much host time as the rest of the launch; they hold by construction for these buffers (torch
-    allocations, rows of a multiple of 16 bytes), so they run on the first descriptor of each tile
-    and dtype, and later ones take its other fields (never its tensor) with their own tensor's."""
+    The shared-memory layout and TensorDescriptor's own checks (16-byte aligned base and rows,
+    positive shape) cost about as much host time as the rest of the launch. The layout depends
+    only on the tile and dtype, and the checks hold by construction for these buffers (torch
+    allocations, rows of a multiple of 16 bytes), so both are done for the first descriptor of
+    each tile and dtype; later ones take its other fields (never its tensor) with their own tensor's."""
     key = (block_shape, dtype, t2d.dtype)
     fields = _descriptor_fields.get(key)
     if fields is None:
-        desc = TensorDescriptor.from_tensor(t2d, list(block_shape), _shared_layout(block_shape, dtype))
+        layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+        desc = TensorDescriptor.from_tensor(t2d, list(block_shape), layout)
         _descriptor_fields[key] = {k: v for k, v in vars(desc).items() if k not in ("base", "shape", "strides")}
         return desc
     if not t2d.is_contiguous():

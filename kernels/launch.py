@@ -29,28 +29,23 @@ _UNKEYED = object()
 MAX_REMEMBERED = 512
 
 
-def _arg_key(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
+def _other_arg_key(a):
+    """The key of an argument that is not an int, float or tensor (`_args_key` keys those)."""
     cls = a.__class__
     if cls is bool:
         return ("bool", a)
-    if cls is int:
-        return a
-    if cls is float:
-        return float
     if a is None:
         return None
     base = getattr(a, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):  # a TMA tensor descriptor
-        return (cls, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), getattr(a, "layout", None),
+        return (cls, base.dtype, base.data_ptr() & 15 == 0, tuple(a.block_shape), getattr(a, "layout", None),
                 getattr(a, "padding", None), tuple(s % 16 == 0 for s in a.strides),
                 tuple(s % 16 == 0 for s in a.shape))
     return _UNKEYED
 
 
 def _args_key(args, _tensor=torch.Tensor):
-    # The common types inline: this runs for every argument of every launch.
+    # Inline for the common types: this runs for every argument of every launch.
     keys = []
     for a in args:
         cls = a.__class__
@@ -61,7 +56,7 @@ def _args_key(args, _tensor=torch.Tensor):
         elif cls is float:
             keys.append(float)
         else:
-            keys.append(_arg_key(a))
+            keys.append(_other_arg_key(a))
     return tuple(keys)
 
 

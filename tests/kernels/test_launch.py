@@ -141,7 +141,7 @@ def test_a_descriptor_after_the_first_is_what_triton_would_build_and_keeps_no_ea
     assert gone() is None, "a cached descriptor field holds the first tensor"
     second = torch.zeros(512, 128, dtype=torch.int8)
     fast = gluon_common._descriptor(second, (64, 128), gl.int8)
-    built = TensorDescriptor.from_tensor(second, [64, 128], gluon_common._shared_layout((64, 128), gl.int8))
+    built = TensorDescriptor.from_tensor(second, [64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], gl.int8))
     assert vars(fast).keys() == vars(built).keys()
     assert fast.base is second
     for name, value in vars(built).items():
