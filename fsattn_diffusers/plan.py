@@ -100,9 +100,10 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
         return plan  # the Gluon kernels are written for Hopper's wgmma and TMA
     wanted = config.kernel
     if wanted == "auto":
-        # At head dim 128 the warp-specialised kernel measured 25-36 % faster than the Triton
-        # kernel on the H200; at 64 the two were within 2 % (benchmarks/NOTES.md v10 (d), v11 (d)).
-        wanted = "gluon_ws" if d_pad == 128 else "triton"
+        # The warp-specialised kernel measured 25-36 % faster than the Triton kernel on the H200 at
+        # head dim 128, and 4 % at 64 with its K scales in the ring (benchmarks/NOTES.md v11 (d),
+        # v14 (b)); at 32 it was never measured.
+        wanted = "gluon_ws" if d_pad in (64, 128) else "triton"
     if wanted == "gluon_ws":
         ws = _dataclass_replace(plan, kernel="gluon_ws", block_n=config.block_n or GLUON_WS_BLOCK_N,
                                 num_stages=config.num_stages or GLUON_WS_STAGES, pv_key_order="wgmma")

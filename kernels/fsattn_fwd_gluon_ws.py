@@ -35,7 +35,9 @@ warpgroups have too few registers for 128-key tiles. Measured through ``fsattn()
 (NOTES v11 (d), SDPA beside): 836 and 888 TFLOP/s at the Wan-1.3B and 14B shapes (1.47x and 1.57x
 SDPA), against 656-667 for the Triton kernel; its distance to float64 on the input families of
 docs/design.md §4.1 is within 0.08 percentage point of the Triton kernel's relative L1. At head dim
-64 it ties the Triton kernel, so head dims up to 64 stay there (fsattn_diffusers/plan.py decides).
+64, with the K scales brought into the ring stage by the producer, it measured 497 TFLOP/s at a
+CogVideoX-like shape against the Triton kernel's 477 (NOTES v14 (b)); fsattn_diffusers/plan.py
+sends it padded head dims 64 and 128.
 Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 """
 
@@ -50,7 +52,7 @@ from .configs import GLUON_WS_CONSUMERS as CONSUMERS
 from .configs import GLUON_WS_MAX_STAGES as MAX_STAGES
 from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
 from .configs import FP_FUSION, GLUON_WS_STAGES
-from .gluon_common import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
+from .gluon_common import ROWSUM_N, _descriptor, _epilogue, _program_rows, _softmax_tile, launch_operands
 from .gluon_compat import tma_async_load
 from .launch import Relaunch
 
@@ -64,8 +66,8 @@ PRODUCER_REGS = 24
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
-              q_row, kv_row, vt_row, w_row, n_tiles):
+def _producer(q_desc, k_desc, vt_desc, w_desc, ks_desc, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready, empty,
+              q_row, kv_row, vt_row, w_row, n_tiles, KS_IN_RING: gl.constexpr):
     # Sizes from the shared-memory shapes (constexpr; warp_specialize passes arguments as values).
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -79,7 +81,12 @@ def _producer(q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, 
         # the first lap over the ring does not wait.
         mbarrier.wait(empty.index(stage), ((tile // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        if KS_IN_RING:
+            mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + w_desc.block_type.nbytes
+                            + ks_desc.block_type.nbytes)
+            tma_async_load(ks_desc, [kv_row + tile * BLOCK_N], bar, ks_smem.index(stage))
+        else:
+            mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + w_desc.block_type.nbytes)
         tma_async_load(k_desc, [kv_row + tile * BLOCK_N, 0], bar, k_smem.index(stage))
         tma_async_load(vt_desc, [vt_row, tile * BLOCK_N], bar, vt_smem.index(stage))
         tma_async_load(w_desc, [w_row, tile * BLOCK_N], bar, w_smem.index(stage))
@@ -117,6 +124,10 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # crosses bytes).
 SPEC_OFFSET = gl.constexpr(6.0)
 SPECULATIVE_MAX = True
+# Where the consumers read each key tile's K scales: at head dims up to 64 the producer brings them
+# into the ring stage with K and V (TMA), 2 % faster there; at 128 a global load issued a softmax
+# ahead, 3-7 % faster than the ring (NOTES v14 (b)).
+KS_IN_RING_MAX_HEAD_DIM = 64
 
 
 @gluon.jit
@@ -180,6 +191,16 @@ def _p_from(pre, qs, m):
 
 
 @gluon.jit
+def _key_scales(ks_stage, ks_tile_ptr, layout: gl.constexpr, KS_IN_RING: gl.constexpr):
+    """A key tile's K scales: from its ring stage (KS_IN_RING) or from global memory."""
+    if KS_IN_RING:
+        ks = ks_stage.load(layout)
+    else:
+        ks = gl.load(ks_tile_ptr + gl.arange(0, ks_stage.shape[0], layout=layout))
+    return ks
+
+
+@gluon.jit
 def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr):
     """A tile's P from the running max m, as FP8 in the PV operand's layout, and its saturation
     flags (:func:`_to_fp8_words`)."""
@@ -206,7 +227,8 @@ def _fp8_rounded(p):
 
 
 @gluon.jit
-def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_tile_ptr):
+def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_stage, ks_tile_ptr,
+                            KS_IN_RING: gl.constexpr):
     """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
     issued with its speculative P: its saturation flag is reduced over the warpgroup while they
     run, and only a saturated tile waits for them, takes its scores again (the score GEMM
@@ -226,7 +248,7 @@ def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        ks = gl.load(ks_tile_ptr + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)))
+        ks = _key_scales(ks_stage, ks_tile_ptr, gl.SliceLayout(0, s_layout), KS_IN_RING)
         pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
         m_new = gl.maximum(m, gl.max(pre, 1) * qs)
         alpha = gl.exp2(m - m_new)
@@ -255,7 +277,8 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
+def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
+              ks_smem, q_bars, ready, empty, turn,
                        qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                        q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
                        stride_oh, N_CONSUMERS: gl.constexpr):
@@ -296,7 +319,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, q_smem, k_smem, vt_sme
     q_tile = q_smem.index(c)
     mbarrier.wait(q_bars.index(c), 0)
 
-    ks = gl.load(ks_ptr + kv_row + cols)
+    if not KS_IN_RING:
+        ks = gl.load(ks_ptr + kv_row + cols)
     mbarrier.wait(ready.index(0), 0)
     mbarrier.wait(turn.index(c), FIRST)
     s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -304,12 +328,15 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, q_smem, k_smem, vt_sme
     for tile in range(n_tiles - 1):
         stage = tile % STAGES
         nxt = tile + 1
+        if KS_IN_RING:  # this stage's ready wait was in the previous turn
+            ks = ks_smem.index(stage).load(col_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if SPECULATIVE:
             p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
         else:
             p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
-        ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
+        if not KS_IN_RING:
+            ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
         mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
@@ -318,7 +345,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, q_smem, k_smem, vt_sme
         if SPECULATIVE:
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
-                                                             vt_smem.index(stage), ks_ptr + kv_row + tile * BLOCK_N)
+                                                             vt_smem.index(stage), ks_smem.index(stage),
+                                                             ks_ptr + kv_row + tile * BLOCK_N, KS_IN_RING)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
@@ -329,6 +357,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, q_smem, k_smem, vt_sme
 
     last = n_tiles - 1
     stage = last % STAGES
+    if KS_IN_RING:
+        ks = ks_smem.index(stage).load(col_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     if SPECULATIVE:
         p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
@@ -340,8 +370,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, q_smem, k_smem, vt_sme
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
     if SPECULATIVE:
         m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_smem.index(stage),
-                                                         w_smem.index(stage), vt_smem.index(stage),
-                                                         ks_ptr + kv_row + last * BLOCK_N)
+                                                         w_smem.index(stage), vt_smem.index(stage), ks_smem.index(stage),
+                                                         ks_ptr + kv_row + last * BLOCK_N, KS_IN_RING)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
@@ -352,12 +382,13 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, q_smem, k_smem, vt_sme
 
 @gluon.jit
 def _fsattn_fwd_gluon_ws_kernel(
-    q_desc, k_desc, vt_desc, w_desc,
+    q_desc, k_desc, vt_desc, w_desc, ks_desc,
     qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
     seq_q, q_pad, head_dim, n_q_heads, group, n_tiles, s_pad, w_rows_per_batch,
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
+    KS_IN_RING: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -368,6 +399,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
     vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, ROWSUM_N, BLOCK_N], w_desc.layout)
+    ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES if KS_IN_RING else 1, BLOCK_N], ks_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bars = gl.allocate_shared_memory(gl.int64, [N_CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -379,18 +411,18 @@ def _fsattn_fwd_gluon_ws_kernel(
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
 
-    consumer_args = (q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty, turn,
+    consumer_args = (q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready, empty, turn,
                      qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                      q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
                      stride_oh, N_CONSUMERS)
-    producer_args = (q_desc, k_desc, vt_desc, w_desc, q_smem, k_smem, vt_smem, w_smem, q_bars, ready, empty,
-                     q_row, kv_row, vt_row, w_row, n_tiles)
+    producer_args = (q_desc, k_desc, vt_desc, w_desc, ks_desc, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready,
+                     empty, q_row, kv_row, vt_row, w_row, n_tiles, KS_IN_RING)
     if N_CONSUMERS == 3:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE) + consumer_args), (_consumer, (1, SPECULATIVE) + consumer_args),
-                            (_consumer, (2, SPECULATIVE) + consumer_args), (_producer, producer_args)],
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args), (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args), (_producer, producer_args)],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE) + consumer_args), (_consumer, (1, SPECULATIVE) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args), (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
                             (_producer, producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -412,8 +444,16 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     consumers = CONSUMERS[kv.block_n]
     grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=consumers * CONSUMER_ROWS,
                                  q_tile_rows=CONSUMER_ROWS)
-    Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3], STAGES=num_stages,
+    d_pad = kv.k_q.shape[3]
+    ks_in_ring = d_pad <= KS_IN_RING_MAX_HEAD_DIM
+    ks_flat = kv.k_scale.reshape(-1)
+    if ks_in_ring and (ks_flat.data_ptr() % 16 or kv.k_scale.shape[-1] != kv.k_q.shape[2]):
+        raise ValueError("the warp-specialised kernel's K scales are one per key, 16-byte aligned (TMA); got "
+                         f"shape {tuple(kv.k_scale.shape)} at address {ks_flat.data_ptr():#x}")
+    args = args[:4] + (_descriptor(ks_flat, (kv.block_n,), gl.float32),) + args[4:]
+    Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=d_pad, STAGES=num_stages,
                                       CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
-                                      SPECULATIVE=bool(speculative), N_CONSUMERS=consumers, num_warps=4,
+                                      SPECULATIVE=bool(speculative), N_CONSUMERS=consumers, KS_IN_RING=ks_in_ring,
+                                      num_warps=4,
                                       enable_fp_fusion=FP_FUSION)
     return out, lse

@@ -63,6 +63,7 @@ SHAPES = [
     (2, 2048, 2048, 4, 4, 64),
     (1, 1024, 1100, 2, 2, 96),
     (1, 513, 640, 2, 2, 32),
+    (1, 600, 700, 2, 2, 48),
 ]
 
 
@@ -103,10 +104,15 @@ def _assert_as_close_to_float64_as_the_triton_kernel(out, lse, out_t, lse_t, ref
     assert lse_err <= lse_err_t + 0.5 / sk ** 0.5, (lse_err, lse_err_t)
 
 
-@pytest.mark.parametrize("block_n,speculative", [(64, True), (64, False), (128, True), (128, False)])
+# The kernel's builds: 64- and 128-key tiles, speculative and online max, and the K scales in the
+# ring stage (head dim 64) or loaded from global memory (128).
+WS_BUILDS = [(64, True, 128), (64, False, 128), (128, True, 128), (128, False, 128), (128, True, 64), (64, True, 64)]
+
+
+@pytest.mark.parametrize("block_n,speculative,head_dim", WS_BUILDS)
 @pytest.mark.parametrize("family", ["randn", "peaky", "max_staircase", "late_sink", "masked_keys", "fully_masked",
                                     "huge_magnitude"])
-def test_warp_specialised_tiles_and_max_policies(block_n, speculative, family):
+def test_warp_specialised_tiles_and_max_policies(block_n, speculative, head_dim, family):
     # Each of the kernel's four builds against float64 and the Triton kernel, on the input
     # families of docs/design.md §4.1 it covers (per-key masks; the staircase and the sink saturate the
     # speculative P of many tiles: without their correction the output would be far off). Online
@@ -117,12 +123,13 @@ def test_warp_specialised_tiles_and_max_policies(block_n, speculative, family):
     from fsattn_diffusers.kernels.quantize import quantize_kv
 
     sk = 1500
-    q, k, v, mask = make_family(family, 2, 700, sk, 4, 128, device="cuda", generator=torch.Generator().manual_seed(11))
+    q, k, v, mask = make_family(family, 2, 700, sk, 4, head_dim, device="cuda",
+                                generator=torch.Generator().manual_seed(11))
     weight = None if mask is None else mask[:, 0, 0, :].float()
-    kv = quantize_kv(k, v, weight, block_n=block_n, d_pad=128, k_per_token=True, pv_key_order="wgmma")
+    kv = quantize_kv(k, v, weight, block_n=block_n, d_pad=head_dim, k_per_token=True, pv_key_order="wgmma")
     out = torch.empty_like(q)
     lse = torch.empty(2, 4, 700, dtype=torch.float32, device="cuda")
-    ws.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=128 ** -0.5, speculative=speculative)
+    ws.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=head_dim ** -0.5, speculative=speculative)
     out_t, lse_t = fsattn(q, k, v, attn_mask=mask, return_lse=True, config=TRITON)
     ref, ref_lse = attention_reference(q, k, v, mask)
     empty = ~torch.isfinite(ref_lse)
@@ -172,7 +179,7 @@ def test_configs_the_gluon_kernel_does_not_cover_run_on_triton(kernel, gluon_cal
     assert planning.gluon_module(GLUON_KERNELS[kernel][0]) is not None
 
 
-def test_auto_runs_the_warp_specialised_kernel_at_head_dim_128_only(monkeypatch):
+def test_auto_runs_the_warp_specialised_kernel_at_head_dims_64_and_128(monkeypatch):
     monkeypatch.setattr(planning, "_DISABLED_GLUON", set())
     planning._plan.cache_clear()
     calls = {}
@@ -186,7 +193,7 @@ def test_auto_runs_the_warp_specialised_kernel_at_head_dim_128_only(monkeypatch)
             return result
 
         monkeypatch.setattr(module, launcher, counted)
-    for head_dim in (128, 64):
+    for head_dim in (128, 64, 32):
         q = torch.randn(1, 2048, 2, head_dim, device="cuda", dtype=torch.bfloat16)
         fsattn(q, q, q)
-    assert calls == {"gluon_ws": 1}
+    assert calls == {"gluon_ws": 2}

@@ -31,8 +31,9 @@ def _plan(config=FSAttnConfig(), head_dim=128, has_bias=False, dtype=torch.bfloa
     return planning.plan_for(config, target, head_dim, has_bias, dtype)
 
 
-@pytest.mark.parametrize("head_dim,kernel", [(128, "gluon_ws"), (96, "gluon_ws"), (64, "triton"), (32, "triton")])
-def test_auto_takes_the_warp_specialised_kernel_at_padded_head_dim_128(gluon_importable, head_dim, kernel):
+@pytest.mark.parametrize("head_dim,kernel", [(128, "gluon_ws"), (96, "gluon_ws"), (64, "gluon_ws"), (48, "gluon_ws"),
+                                             (32, "triton")])
+def test_auto_takes_the_warp_specialised_kernel_at_padded_head_dims_64_and_128(gluon_importable, head_dim, kernel):
     plan = _plan(head_dim=head_dim)
     assert plan.kernel == kernel
     assert plan.pv_key_order == ("wgmma" if kernel == "gluon_ws" else "natural")
