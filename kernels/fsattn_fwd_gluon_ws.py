@@ -66,8 +66,8 @@ PRODUCER_REGS = 24
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, vt_desc, w_desc, ks_desc, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready, empty,
-              q_row, kv_row, vt_row, w_row, n_tiles, KS_IN_RING: gl.constexpr):
+def _producer(KS_IN_RING: gl.constexpr, q_desc, k_desc, vt_desc, w_desc, ks_desc, q_smem, k_smem, vt_smem, w_smem,
+              ks_smem, q_bars, ready, empty, q_row, kv_row, vt_row, w_row, n_tiles):
     # Sizes from the shared-memory shapes (constexpr; warp_specialize passes arguments as values).
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -399,7 +399,12 @@ def _fsattn_fwd_gluon_ws_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
     vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, ROWSUM_N, BLOCK_N], w_desc.layout)
-    ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES if KS_IN_RING else 1, BLOCK_N], ks_desc.layout)
+    if KS_IN_RING:
+        ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES, BLOCK_N], ks_desc.layout)
+        ks_src = ks_desc
+    else:  # ks_desc is None (warp_specialize takes no None): stand-ins that no partition touches
+        ks_smem = k_smem
+        ks_src = k_desc
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bars = gl.allocate_shared_memory(gl.int64, [N_CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -415,15 +420,15 @@ def _fsattn_fwd_gluon_ws_kernel(
                      qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                      q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
                      stride_oh, N_CONSUMERS)
-    producer_args = (q_desc, k_desc, vt_desc, w_desc, ks_desc, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready,
-                     empty, q_row, kv_row, vt_row, w_row, n_tiles, KS_IN_RING)
+    producer_args = (q_desc, k_desc, vt_desc, w_desc, ks_src, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready,
+                     empty, q_row, kv_row, vt_row, w_row, n_tiles)
     if N_CONSUMERS == 3:
         gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args), (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args), (_producer, producer_args)],
+                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args), (_producer, (KS_IN_RING,) + producer_args)],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args), (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_producer, producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+                            (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
@@ -446,11 +451,14 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
                                  q_tile_rows=CONSUMER_ROWS)
     d_pad = kv.k_q.shape[3]
     ks_in_ring = d_pad <= KS_IN_RING_MAX_HEAD_DIM
-    ks_flat = kv.k_scale.reshape(-1)
-    if ks_in_ring and (ks_flat.data_ptr() % 16 or kv.k_scale.shape[-1] != kv.k_q.shape[2]):
-        raise ValueError("the warp-specialised kernel's K scales are one per key, 16-byte aligned (TMA); got "
-                         f"shape {tuple(kv.k_scale.shape)} at address {ks_flat.data_ptr():#x}")
-    args = args[:4] + (_descriptor(ks_flat, (kv.block_n,), gl.float32),) + args[4:]
+    ks_desc = None  # a TMA descriptor costs host time at every launch: only where the kernel reads it
+    if ks_in_ring:
+        ks_flat = kv.k_scale.reshape(-1)
+        if ks_flat.data_ptr() % 16 or kv.k_scale.shape[-1] != kv.k_q.shape[2]:
+            raise ValueError("the warp-specialised kernel's K scales are one per key, 16-byte aligned (TMA); got "
+                             f"shape {tuple(kv.k_scale.shape)} at address {ks_flat.data_ptr():#x}")
+        ks_desc = _descriptor(ks_flat, (kv.block_n,), gl.float32)
+    args = args[:4] + (ks_desc,) + args[4:]
     Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=d_pad, STAGES=num_stages,
                                       CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
                                       SPECULATIVE=bool(speculative), N_CONSUMERS=consumers, KS_IN_RING=ks_in_ring,
