@@ -101,16 +101,16 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
     wanted = config.kernel
     if wanted == "auto":
         # The warp-specialised kernel measured 25-36 % faster than the Triton kernel on the H200 at
-        # head dim 128, and 4 % at 64 with its K scales in the ring (benchmarks/NOTES.md v11 (d),
-        # v14 (b)); at 32 it was never measured.
+        # head dim 128, and 15 % at 64 with three consumers and the K scales in the ring
+        # (benchmarks/NOTES.md v11 (d), v14 (c)); at 32 it was never measured.
         wanted = "gluon_ws" if d_pad in (64, 128) else "triton"
     if wanted == "gluon_ws":
         ws = _dataclass_replace(plan, kernel="gluon_ws", block_n=config.block_n or GLUON_WS_BLOCK_N,
                                 num_stages=config.num_stages or GLUON_WS_STAGES, pv_key_order="wgmma")
         if _gluon_ws_covers(ws, has_bias, config) and gluon_available("fsattn_fwd_gluon_ws"):
-            from .kernels.configs import GLUON_WS_CONSUMERS, GLUON_WS_ROWS
+            from .kernels.configs import GLUON_WS_ROWS, gluon_ws_consumers
 
-            return _dataclass_replace(ws, block_m=GLUON_WS_ROWS * GLUON_WS_CONSUMERS[ws.block_n])
+            return _dataclass_replace(ws, block_m=GLUON_WS_ROWS * gluon_ws_consumers(ws.block_n, d_pad))
     if wanted == "gluon" and _gluon_covers(plan, has_bias) and gluon_available("fsattn_fwd_gluon"):
         return _dataclass_replace(plan, kernel="gluon")
     return plan
@@ -124,9 +124,9 @@ def _default_numerics(plan: LaunchPlan, has_bias: bool) -> bool:
 
 
 def _gluon_ws_covers(plan: LaunchPlan, has_bias: bool, config: FSAttnConfig) -> bool:
-    from .kernels.configs import GLUON_WS_CONSUMERS, GLUON_WS_MAX_STAGES, GLUON_WS_ROWS
+    from .kernels.configs import GLUON_WS_MAX_STAGES, GLUON_WS_ROWS
 
-    return (_default_numerics(plan, has_bias) and plan.block_n in GLUON_WS_CONSUMERS
+    return (_default_numerics(plan, has_bias) and plan.block_n in GLUON_WS_MAX_STAGES
             and (config.block_m or GLUON_WS_ROWS) == GLUON_WS_ROWS and plan.num_warps == 4
             and 2 <= plan.num_stages <= GLUON_WS_MAX_STAGES[plan.block_n])
 

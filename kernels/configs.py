@@ -50,12 +50,23 @@ GLUON_WS_STAGES = 4
 # Its key tile: two consumer warpgroups on 128 keys measured 1-3 % faster than three on 64 at
 # every head-dim-128 shape (NOTES v11 (d)).
 GLUON_WS_BLOCK_N = 128
-# What the warp-specialised kernel covers: 64-row consumer warpgroups (one m64 wgmma each); three
-# consumers on 64-key tiles or two on 128-key tiles (three have too few registers for 128 keys);
-# the ring stages that fit shared memory (~17 KB per stage at 64 keys, ~34 KB at 128).
+# What the warp-specialised kernel covers: 64-row consumer warpgroups (one m64 wgmma each) on 64- or
+# 128-key tiles, with the ring stages that fit shared memory at head dim 128 (~17 KB per stage at
+# 64 keys, ~34 KB at 128).
 GLUON_WS_ROWS = 64
-GLUON_WS_CONSUMERS = {64: 3, 128: 2}
 GLUON_WS_MAX_STAGES = {64: 8, 128: 4}
+# Where its consumers read each key tile's K scales: at padded head dims up to this the producer
+# brings them into the ring stage with K and V; above it, a global load issued a softmax ahead
+# (the ring measured 2 % faster at 64 and 3-7 % slower at 128; benchmarks/NOTES.md v14 (b)).
+GLUON_WS_KS_IN_RING_MAX_D = 64
+
+
+def gluon_ws_consumers(block_n: int, d_pad: int) -> int:
+    """Consumer warpgroups per program of the warp-specialised kernel. Three (160 registers each)
+    hold a 64-key score tile, or a 128-key one when the output tile is 64 wide and the K scales
+    come through the ring (545 TFLOP/s against 499 with two at head dim 64, NOTES v14 (c));
+    otherwise two (240 registers each)."""
+    return 3 if block_n == 64 or d_pad <= GLUON_WS_KS_IN_RING_MAX_D else 2
 # Every launch states it: the score dequantisation with the max subtraction, and the exponent's
 # argument, are single FMAs by design, and Triton 3.10 turns fusion off by default.
 FP_FUSION = True

@@ -1,15 +1,16 @@
 """The fused-softmax forward in Gluon for Hopper, warp-specialised, with the consumer warpgroups
 taking turns at the tensor cores (FlashAttention-3's ping-pong); the default on sm_90 at head
-dims 65-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8, v10, v11).
+dims 33-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8, v10, v11, v14).
 
 Why: the Triton kernel runs one warpgroup per program, two programs per SM, each issuing its own
 loads (address arithmetic and ``cp.async`` in the softmax's instruction stream), meeting a
 program-wide ``bar.sync`` every tile, and waiting for each GEMM right after issuing it; NOTES v6
 found its loop bound by those waits, not by a unit. Here, per program of 2 x 64 query rows
-(128-key tiles, the default; 3 x 64 rows with 64-key tiles):
+(128-key tiles at head dim 128, the default) or 3 x 64 (at head dim 64, or with 64-key tiles):
 
     producer (4 warps, 24 registers)   for each key tile: wait until every consumer released the
-                                       ring stage, then TMA K, V^T and the row-sum weights into it
+                                       ring stage, then TMA K, V^T and the row-sum weights (and at
+                                       head dim 64 the K scales) into it
     consumer w (4 warps, w = 0, 1[, 2])  its 64 rows of Q (TMA), then per key tile j: wait for the
                                        score GEMM, softmax; in its turn issue the row sum and PV
                                        of tile j, check P (below), issue the score GEMM of tile
@@ -29,15 +30,16 @@ to the GEMMs; only such a tile then takes its true max, rescales the accumulator
 of a correction D = P_true - alpha * P_spec (:func:`_corrected_if_saturated`). No clamped P
 reaches the output.
 
-Two consumer warpgroups on 128-key tiles are the default: with the check after the GEMM issue they
-measured 1-3 % faster than three on 64-key tiles at every head-dim-128 shape (NOTES v11 (d)); three
-warpgroups have too few registers for 128-key tiles. Measured through ``fsattn()`` on the H200
+At head dim 128 two consumer warpgroups on 128-key tiles are the default: with the check after the
+GEMM issue they measured 1-3 % faster than three on 64-key tiles at every head-dim-128 shape (NOTES
+v11 (d)); three have too few registers for 128-key tiles there. Measured through ``fsattn()`` on the H200
 (NOTES v11 (d), SDPA beside): 836 and 888 TFLOP/s at the Wan-1.3B and 14B shapes (1.47x and 1.57x
 SDPA), against 656-667 for the Triton kernel; its distance to float64 on the input families of
 docs/design.md §4.1 is within 0.08 percentage point of the Triton kernel's relative L1. At head dim
-64, with the K scales brought into the ring stage by the producer, it measured 497 TFLOP/s at a
-CogVideoX-like shape against the Triton kernel's 477 (NOTES v14 (b)); fsattn_diffusers/plan.py
-sends it padded head dims 64 and 128.
+64 the producer also brings the K scales into the ring stage, and the registers that frees let
+three consumers take 128-key tiles: 545 TFLOP/s at a CogVideoX-like shape, against 499 with two and
+475 for the Triton kernel (NOTES v14 (b), (c); outputs bit-equal to two consumers').
+fsattn_diffusers/plan.py sends it padded head dims 64 and 128.
 Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 """
 
@@ -48,10 +50,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from .configs import GLUON_WS_CONSUMERS as CONSUMERS
 from .configs import GLUON_WS_MAX_STAGES as MAX_STAGES
 from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
-from .configs import FP_FUSION, GLUON_WS_STAGES
+from .configs import FP_FUSION, GLUON_WS_KS_IN_RING_MAX_D, GLUON_WS_STAGES, gluon_ws_consumers
 from .gluon_common import ROWSUM_N, _descriptor, _epilogue, _program_rows, _softmax_tile, launch_operands
 from .gluon_compat import tma_async_load
 from .launch import Relaunch
@@ -124,10 +125,6 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # crosses bytes).
 SPEC_OFFSET = gl.constexpr(6.0)
 SPECULATIVE_MAX = True
-# Where the consumers read each key tile's K scales: at head dims up to 64 the producer brings them
-# into the ring stage with K and V (TMA), 2 % faster there; at 128 a global load issued a softmax
-# ahead, 3-7 % faster than the ring (NOTES v14 (b)).
-KS_IN_RING_MAX_HEAD_DIM = 64
 
 
 @gluon.jit
@@ -433,24 +430,24 @@ def _fsattn_fwd_gluon_ws_kernel(
 
 def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
     """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`,
-    except that `kv` must be quantised with ``pv_key_order="wgmma"`` and ``block_n`` 64 (three
-    consumer warpgroups) or 128 (two). `speculative`: the speculative running max (the default)
-    or the online one.
+    except that `kv` must be quantised with ``pv_key_order="wgmma"`` and ``block_n`` 64 or 128
+    (:func:`.configs.gluon_ws_consumers` says how many consumer warpgroups run). `speculative`:
+    the speculative running max (the default) or the online one.
 
     The plan (fsattn_diffusers/plan.py) sends it only what it covers; anything else raises here
     rather than hang the GPU.
     """
-    if kv.block_n not in CONSUMERS or not 2 <= num_stages <= MAX_STAGES[kv.block_n]:
+    if kv.block_n not in MAX_STAGES or not 2 <= num_stages <= MAX_STAGES[kv.block_n]:
         raise ValueError("the warp-specialised Gluon kernel takes 64-key tiles with 2-8 stages or 128-key tiles "
                          f"with 2-4 stages; got block_n={kv.block_n}, num_stages={num_stages}")
     if kv.pv_key_order != "wgmma":
         raise ValueError("the warp-specialised Gluon kernel reads V in the wgmma key order "
                          f"(quantize_kv(..., pv_key_order='wgmma')), got {kv.pv_key_order!r}")
-    consumers = CONSUMERS[kv.block_n]
+    d_pad = kv.k_q.shape[3]
+    consumers = gluon_ws_consumers(kv.block_n, d_pad)
     grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=consumers * CONSUMER_ROWS,
                                  q_tile_rows=CONSUMER_ROWS)
-    d_pad = kv.k_q.shape[3]
-    ks_in_ring = d_pad <= KS_IN_RING_MAX_HEAD_DIM
+    ks_in_ring = d_pad <= GLUON_WS_KS_IN_RING_MAX_D
     ks_desc = None  # a TMA descriptor costs host time at every launch: only where the kernel reads it
     if ks_in_ring:
         ks_flat = kv.k_scale.reshape(-1)

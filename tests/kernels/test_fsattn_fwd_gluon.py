@@ -104,9 +104,11 @@ def _assert_as_close_to_float64_as_the_triton_kernel(out, lse, out_t, lse_t, ref
     assert lse_err <= lse_err_t + 0.5 / sk ** 0.5, (lse_err, lse_err_t)
 
 
-# The kernel's builds: 64- and 128-key tiles, speculative and online max, and the K scales in the
-# ring stage (head dim 64) or loaded from global memory (128).
-WS_BUILDS = [(64, True, 128), (64, False, 128), (128, True, 128), (128, False, 128), (128, True, 64), (64, True, 64)]
+# The kernel's builds: 64- and 128-key tiles, speculative and online max; at head dim 128 two
+# consumers on 128-key tiles and the K scales from global memory, at 64 three consumers and the K
+# scales through the ring stage.
+WS_BUILDS = [(64, True, 128), (64, False, 128), (128, True, 128), (128, False, 128), (128, True, 64), (128, False, 64),
+             (64, True, 64)]
 
 
 @pytest.mark.parametrize("block_n,speculative,head_dim", WS_BUILDS)
