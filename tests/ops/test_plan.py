@@ -72,6 +72,17 @@ def test_tiles_and_stages_set_in_the_config_reach_the_warp_specialised_kernel(gl
     assert three.block_m % 64 == 0 and three.block_m > _plan().block_m
 
 
+def test_the_warp_specialised_programs_hold_three_consumers_at_head_dim_64_and_two_at_128(gluon_importable):
+    # Q is padded to a program's rows (64 per consumer warpgroup) and q_tiles count programs: the
+    # plan's block_m must be what the launcher runs (configs.gluon_ws_consumers decides both).
+    from fsattn_diffusers.kernels.configs import gluon_ws_consumers
+
+    for head_dim, consumers in ((128, 2), (96, 2), (64, 3), (48, 3)):
+        plan = _plan(head_dim=head_dim)
+        assert (plan.kernel, plan.block_n, plan.block_m) == ("gluon_ws", 128, 64 * consumers)
+        assert gluon_ws_consumers(plan.block_n, plan.d_pad) == consumers
+
+
 def test_other_gpus_and_the_cpu_paths_run_the_triton_kernel(gluon_importable):
     for target in ((8, 9), (10, 0), planning.INTERPRETER, planning.EMULATION):
         assert _plan(target=target).kernel == "triton"
