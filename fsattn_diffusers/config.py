@@ -81,7 +81,8 @@ class FSAttnConfig:
     block_m, block_n : int or None
         Tile sizes (query rows per program, keys per tile). ``None`` picks the tuned default for
         the GPU and head dim. ``block_n`` is also the K-scale granularity. The warp-specialised
-        Gluon kernel takes ``block_n`` 128 (its default: two consumer warpgroups) or 64 (three).
+        Gluon kernel takes ``block_n`` 128 (its default: two consumer warpgroups at head dims 65-128,
+        three at 33-64) or 64 (three).
     num_warps, num_stages : int or None
         Launch overrides for the Triton kernel (``None``: tuned default).
     sdpa_below_flops : float
@@ -96,10 +97,10 @@ class FSAttnConfig:
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same attention to within FP8 rounding.
         ``"auto"`` (default): the fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims
-        65-128 where it covers the call, else the Triton kernel. ``"triton"``: the Triton kernel,
+        33-128 where it covers the call, else the Triton kernel. ``"triton"``: the Triton kernel,
         every configuration and GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon
-        kernel (a TMA producer warp, two consumer warpgroups taking turns at the tensor cores, a
-        speculative running max); its P is rounded from another max than the Triton kernel's, so
+        kernel (a TMA producer warp, two or three consumer warpgroups taking turns at the tensor
+        cores, a speculative running max); its P is rounded from another max than the Triton kernel's, so
         the two are equally close to exact attention but not bit-equal. ``"gluon"`` (Hopper only,
         kept as the simplest Gluon schedule, slower than the Triton kernel). Both Gluon kernels
         cover the default numerics only (online max policy, per-key K scales, FP8 PV with the

@@ -101,7 +101,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
     wanted = config.kernel
     if wanted == "auto":
         # The warp-specialised kernel measured 25-36 % faster than the Triton kernel on the H200 at
-        # head dim 128, and 15 % at 64 with three consumers and the K scales in the ring
+        # head dim 128, and 13 % at 64 with three consumers and the K scales in the ring
         # (benchmarks/NOTES.md v11 (d), v14 (c)); at 32 it was never measured.
         wanted = "gluon_ws" if d_pad in (64, 128) else "triton"
     if wanted == "gluon_ws":

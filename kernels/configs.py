@@ -57,7 +57,7 @@ GLUON_WS_ROWS = 64
 GLUON_WS_MAX_STAGES = {64: 8, 128: 4}
 # Where its consumers read each key tile's K scales: at padded head dims up to this the producer
 # brings them into the ring stage with K and V; above it, a global load issued a softmax ahead
-# (the ring measured 2 % faster at 64 and 3-7 % slower at 128; benchmarks/NOTES.md v14 (b)).
+# (the ring measured 2 % faster at 64 and 2-7 % slower at 128; benchmarks/NOTES.md v14 (b)).
 GLUON_WS_KS_IN_RING_MAX_D = 64
 
 
@@ -66,7 +66,9 @@ def gluon_ws_consumers(block_n: int, d_pad: int) -> int:
     hold a 64-key score tile, or a 128-key one when the output tile is 64 wide and the K scales
     come through the ring (545 TFLOP/s against 499 with two at head dim 64, NOTES v14 (c));
     otherwise two (240 registers each)."""
-    return 3 if block_n == 64 or d_pad <= GLUON_WS_KS_IN_RING_MAX_D else 2
+    return 3 if block_n == 64 or (d_pad <= 64 and d_pad <= GLUON_WS_KS_IN_RING_MAX_D) else 2
+
+
 # Every launch states it: the score dequantisation with the max subtraction, and the exponent's
 # argument, are single FMAs by design, and Triton 3.10 turns fusion off by default.
 FP_FUSION = True

@@ -45,6 +45,7 @@ Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma, warpgroup_mma_init,
@@ -188,12 +189,12 @@ def _p_from(pre, qs, m):
 
 
 @gluon.jit
-def _key_scales(ks_stage, ks_tile_ptr, layout: gl.constexpr, KS_IN_RING: gl.constexpr):
-    """A key tile's K scales: from its ring stage (KS_IN_RING) or from global memory."""
+def _key_scales(ks_stage, ks_tile_ptr, BLOCK_N: gl.constexpr, layout: gl.constexpr, KS_IN_RING: gl.constexpr):
+    """A key tile's BLOCK_N K scales: from its ring stage (KS_IN_RING) or from global memory."""
     if KS_IN_RING:
         ks = ks_stage.load(layout)
     else:
-        ks = gl.load(ks_tile_ptr + gl.arange(0, ks_stage.shape[0], layout=layout))
+        ks = gl.load(ks_tile_ptr + gl.arange(0, BLOCK_N, layout=layout))
     return ks
 
 
@@ -245,7 +246,7 @@ def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        ks = _key_scales(ks_stage, ks_tile_ptr, gl.SliceLayout(0, s_layout), KS_IN_RING)
+        ks = _key_scales(ks_stage, ks_tile_ptr, BLOCK_N, gl.SliceLayout(0, s_layout), KS_IN_RING)
         pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
         m_new = gl.maximum(m, gl.max(pre, 1) * qs)
         alpha = gl.exp2(m - m_new)
@@ -275,10 +276,9 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 
 @gluon.jit
 def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
-              ks_smem, q_bars, ready, empty, turn,
-                       qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
-                       q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                       stride_oh, N_CONSUMERS: gl.constexpr):
+              ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
+              q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
+              N_CONSUMERS: gl.constexpr):
     """Consumer warpgroup `c`: 64 query rows against every key tile.
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
@@ -325,7 +325,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     for tile in range(n_tiles - 1):
         stage = tile % STAGES
         nxt = tile + 1
-        if KS_IN_RING:  # this stage's ready wait was in the previous turn
+        if KS_IN_RING:  # this stage's ready wait was in the previous iteration (or before the loop)
             ks = ks_smem.index(stage).load(col_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if SPECULATIVE:
@@ -366,8 +366,9 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
     if SPECULATIVE:
-        m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_smem.index(stage),
-                                                         w_smem.index(stage), vt_smem.index(stage), ks_smem.index(stage),
+        m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile,
+                                                         k_smem.index(stage), w_smem.index(stage),
+                                                         vt_smem.index(stage), ks_smem.index(stage),
                                                          ks_ptr + kv_row + last * BLOCK_N, KS_IN_RING)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
@@ -419,12 +420,17 @@ def _fsattn_fwd_gluon_ws_kernel(
                      stride_oh, N_CONSUMERS)
     producer_args = (q_desc, k_desc, vt_desc, w_desc, ks_src, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready,
                      empty, q_row, kv_row, vt_row, w_row, n_tiles)
+    # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
+    # hands them to the partitions as tensors, and a branch on them would no longer be constexpr.
     if N_CONSUMERS == 3:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args), (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args), (_producer, (KS_IN_RING,) + producer_args)],
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_producer, (KS_IN_RING,) + producer_args)],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args), (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
                             (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -443,22 +449,22 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     if kv.pv_key_order != "wgmma":
         raise ValueError("the warp-specialised Gluon kernel reads V in the wgmma key order "
                          f"(quantize_kv(..., pv_key_order='wgmma')), got {kv.pv_key_order!r}")
-    d_pad = kv.k_q.shape[3]
+    bsz, n_kv_heads, s_pad, d_pad = kv.k_q.shape
+    ks_in_ring = d_pad <= GLUON_WS_KS_IN_RING_MAX_D
+    if ks_in_ring and (kv.k_scale.dtype != torch.float32 or tuple(kv.k_scale.shape) != (bsz, n_kv_heads, s_pad)
+                       or not kv.k_scale.is_contiguous() or kv.k_scale.data_ptr() % 16):
+        raise ValueError(f"the warp-specialised kernel at padded head dim {d_pad} loads the K scales by TMA: "
+                         f"kv.k_scale must be contiguous float32 of shape {(bsz, n_kv_heads, s_pad)} (one per key), "
+                         f"16-byte aligned; got {kv.k_scale.dtype}, shape {tuple(kv.k_scale.shape)}, strides "
+                         f"{kv.k_scale.stride()}, address {kv.k_scale.data_ptr():#x}")
     consumers = gluon_ws_consumers(kv.block_n, d_pad)
     grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=consumers * CONSUMER_ROWS,
                                  q_tile_rows=CONSUMER_ROWS)
-    ks_in_ring = d_pad <= GLUON_WS_KS_IN_RING_MAX_D
-    ks_desc = None  # a TMA descriptor costs host time at every launch: only where the kernel reads it
-    if ks_in_ring:
-        ks_flat = kv.k_scale.reshape(-1)
-        if ks_flat.data_ptr() % 16 or kv.k_scale.shape[-1] != kv.k_q.shape[2]:
-            raise ValueError("the warp-specialised kernel's K scales are one per key, 16-byte aligned (TMA); got "
-                             f"shape {tuple(kv.k_scale.shape)} at address {ks_flat.data_ptr():#x}")
-        ks_desc = _descriptor(ks_flat, (kv.block_n,), gl.float32)
+    # A TMA descriptor costs host time at every launch: only where the kernel reads it.
+    ks_desc = _descriptor(kv.k_scale.view(-1), (kv.block_n,), gl.float32) if ks_in_ring else None
     args = args[:4] + (ks_desc,) + args[4:]
     Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=d_pad, STAGES=num_stages,
-                                      CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
-                                      SPECULATIVE=bool(speculative), N_CONSUMERS=consumers, KS_IN_RING=ks_in_ring,
-                                      num_warps=4,
-                                      enable_fp_fusion=FP_FUSION)
+                                                   CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
+                                                   SPECULATIVE=bool(speculative), N_CONSUMERS=consumers,
+                                                   KS_IN_RING=ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
     return out, lse

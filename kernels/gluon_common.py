@@ -80,26 +80,28 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
 _descriptor_fields: dict = {}
 
 
-def _descriptor(t2d: torch.Tensor, block_shape: tuple, dtype) -> TensorDescriptor:
-    """A TMA descriptor of `t2d`, one of the pre-passes' fresh contiguous buffers.
+def _descriptor(t: torch.Tensor, block_shape: tuple, dtype) -> TensorDescriptor:
+    """A TMA descriptor of `t` (1-D, or 2-D as a view of a buffer), one of the pre-passes' fresh
+    contiguous buffers.
 
     The shared-memory layout and TensorDescriptor's own checks (16-byte aligned base and rows,
     positive shape) cost about as much host time as the rest of the launch. The layout depends
     only on the tile and dtype, and the checks hold by construction for these buffers (torch
-    allocations, rows of a multiple of 16 bytes), so both are done for the first descriptor of
-    each tile and dtype; later ones take its other fields (never its tensor) with their own tensor's."""
-    key = (block_shape, dtype, t2d.dtype)
+    allocations whose 2-D rows are a multiple of 16 bytes; a 1-D buffer's caller checks its base),
+    so both are done for the first descriptor of each tile and dtype; later ones take its other
+    fields (never its tensor) with their own tensor's."""
+    key = (block_shape, dtype, t.dtype)
     fields = _descriptor_fields.get(key)
     if fields is None:
         layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
-        desc = TensorDescriptor.from_tensor(t2d, list(block_shape), layout)
+        desc = TensorDescriptor.from_tensor(t, list(block_shape), layout)
         _descriptor_fields[key] = {k: v for k, v in vars(desc).items() if k not in ("base", "shape", "strides")}
         return desc
-    if not t2d.is_contiguous():
-        raise ValueError(f"TMA operands here are contiguous buffers, got strides {t2d.stride()}")
+    if not t.is_contiguous():
+        raise ValueError(f"TMA operands here are contiguous buffers, got strides {t.stride()}")
     desc = object.__new__(TensorDescriptor)
     vars(desc).update(fields)
-    desc.base, desc.shape, desc.strides = t2d, t2d.shape, t2d.stride()
+    desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
     return desc
 
 

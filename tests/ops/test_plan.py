@@ -166,6 +166,30 @@ def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     assert torch.equal(kv.k_q, natural.k_q) and torch.equal(kv.k_scale, natural.k_scale)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, head_dim):
+    # Q is padded to the rows of a program and the op counts q_tiles by the plan's block_m: the
+    # launcher's consumer warpgroups must cover exactly those rows. The real launcher runs on the
+    # real quantised K/V (interpreter) up to its operands, which are recorded instead of launched.
+    gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
+
+    class Recorded(Exception):
+        pass
+
+    rows = []
+
+    def record(q, kv, out, lse, *, block_m, **kwargs):
+        rows.append(block_m)
+        raise Recorded
+
+    monkeypatch.setattr(gluon_ws, "launch_operands", record)
+    _pretend_hopper(monkeypatch, gluon_ws)
+    with pytest.raises(Recorded):
+        _run(FSAttnConfig(), head_dim=head_dim)
+    assert rows == [ops.call_plan(FSAttnConfig(), torch.device("cuda"), head_dim).block_m]
+    assert rows == [{64: 192, 128: 128}[head_dim]]
+
+
 @pytest.mark.parametrize("failure", ["front end", "ptxas", "mlir pass"])
 def test_a_gluon_compile_failure_costs_speed_not_the_call(monkeypatch, failure):
     # Gluon's API moves between Triton releases: the call is redone on the Triton kernel, with V
@@ -220,3 +244,12 @@ def test_the_launchers_refuse_operands_the_plan_never_sends_them():
         gluon.fsattn_fwd_gluon(None, kv("wgmma"), None, None, sm_scale=1.0)
     with pytest.raises(ValueError, match="natural key order"):
         fsattn_fwd(None, kv("wgmma"), None, None, None, sm_scale=1.0)
+    # At head dim 64 the K scales go by TMA, one per key: block scales would be read as per-key
+    # ones (a wrong result), a misaligned or strided buffer would fault.
+    d64 = kv("wgmma")
+    d64.k_q = torch.empty(2, 3, 256, 64, dtype=torch.int8)
+    for bad in (torch.empty(2, 3, 2), torch.empty(2, 3, 256, dtype=torch.float16), torch.empty(2, 3, 512)[..., ::2],
+                torch.empty(2 * 3 * 256 + 1)[1:].view(2, 3, 256)):
+        d64.k_scale = bad
+        with pytest.raises(ValueError, match=r"kv.k_scale must be contiguous float32 of shape \(2, 3, 256\)"):
+            gluon_ws.fsattn_fwd_gluon_ws(None, d64, None, None, sm_scale=1.0)
