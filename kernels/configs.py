@@ -61,12 +61,17 @@ GLUON_WS_MAX_STAGES = {64: 8, 128: 4}
 GLUON_WS_KS_IN_RING_MAX_D = 64
 
 
+def gluon_ws_ks_in_ring(d_pad: int) -> bool:
+    """Whether the warp-specialised kernel's producer brings the K scales into the ring stage."""
+    return d_pad <= GLUON_WS_KS_IN_RING_MAX_D
+
+
 def gluon_ws_consumers(block_n: int, d_pad: int) -> int:
     """Consumer warpgroups per program of the warp-specialised kernel. Three (160 registers each)
     hold a 64-key score tile, or a 128-key one when the output tile is 64 wide and the K scales
     come through the ring (545 TFLOP/s against 499 with two at head dim 64, NOTES v14 (c));
     otherwise two (240 registers each)."""
-    return 3 if block_n == 64 or (d_pad <= 64 and d_pad <= GLUON_WS_KS_IN_RING_MAX_D) else 2
+    return 3 if block_n == 64 or (d_pad <= 64 and gluon_ws_ks_in_ring(d_pad)) else 2
 
 
 # Every launch states it: the score dequantisation with the max subtraction, and the exponent's

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
 
 from .configs import GLUON_WS_MAX_STAGES as MAX_STAGES
 from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
-from .configs import FP_FUSION, GLUON_WS_KS_IN_RING_MAX_D, GLUON_WS_STAGES, gluon_ws_consumers
+from .configs import FP_FUSION, GLUON_WS_STAGES, gluon_ws_consumers, gluon_ws_ks_in_ring
 from .gluon_common import ROWSUM_N, _descriptor, _epilogue, _program_rows, _softmax_tile, launch_operands
 from .gluon_compat import tma_async_load
 from .launch import Relaunch
@@ -450,7 +450,7 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
         raise ValueError("the warp-specialised Gluon kernel reads V in the wgmma key order "
                          f"(quantize_kv(..., pv_key_order='wgmma')), got {kv.pv_key_order!r}")
     bsz, n_kv_heads, s_pad, d_pad = kv.k_q.shape
-    ks_in_ring = d_pad <= GLUON_WS_KS_IN_RING_MAX_D
+    ks_in_ring = gluon_ws_ks_in_ring(d_pad)
     if ks_in_ring and (kv.k_scale.dtype != torch.float32 or tuple(kv.k_scale.shape) != (bsz, n_kv_heads, s_pad)
                        or not kv.k_scale.is_contiguous() or kv.k_scale.data_ptr() % 16):
         raise ValueError(f"the warp-specialised kernel at padded head dim {d_pad} loads the K scales by TMA: "
