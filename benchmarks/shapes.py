@@ -32,6 +32,7 @@ SHAPES = {
         Shape("wan13b_480p", 1, 12, 32760, 32760, 128, note="Wan2.1-1.3B 480x832, 81 frames"),
         Shape("hunyuan_720p", 1, 24, 119056, 119056, 128, padded_keys=226,
               note="HunyuanVideo 720x1280, 129 frames: 118800 video + 256 text tokens, 226 of them padding"),
+        Shape("wan14b_cross_720p", 1, 40, 75600, 512, 128, note="Wan2.1-14B cross-attention to 512 text tokens"),
         Shape("wan14b_720p", 1, 40, 75600, 75600, 128, note="Wan2.1-14B 720x1280, 81 frames"),
     ]
 }

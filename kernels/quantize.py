@@ -51,29 +51,43 @@ ROWSUM_COLS = 16
 
 PV_KEY_ORDERS = ("natural", "wgmma")
 
-# Programs per pre-pass launch to aim for: three per SM of an H200 (132 SMs), so that each SM has
-# loads of several programs in flight while K and V stream through. A constant, not the device's
-# SM count: the split fixes the order of the fp32 sums, so the statistics' bits depend on the
-# shapes alone, and choosing it costs no device query.
-N_PROGRAMS_TARGET = 3 * 132
+# Programs per SM that the pre-pass launches aim for: at padded head dim 128 the register ceiling
+# below lets four 4-warp programs share an SM, at 64 three (a ceiling of 128 spilled there). A
+# constant per head dim, not the device's SM count: the split fixes the order of the fp32 sums,
+# so the statistics' bits depend on the shapes alone, and choosing it costs no device query.
+H200_SMS = 132
 # Programs per (batch, KV head) at most: every program of a head re-reads all of the head's
 # partials (5 rows of D_pad floats each, from L2) before packing, so the re-reading grows with the
 # square of the split; this bounds it where few heads would otherwise split into hundreds.
 MAX_SPLIT = 64
 # Partials reduced per step (rows of one [SPLIT_BLOCK, D_pad] load).
 SPLIT_BLOCK = 16
-# Key tiles in flight per program (tl.range's software pipelining of the loops' loads): two
-# measured 1.2-1.4x faster than one at the Wan and HunyuanVideo shapes on an H200 (Triton 3.6),
-# the same at head dim 64.
-LOOP_STAGES = 2
-# Warps per pre-pass program; eight measured slower than four.
+# Depth of the loops' software pipelining (tl.range's num_stages): LOOP_STAGES - 1 key tiles of
+# loads in flight, waiting in shared memory. On an H200 (Triton 3.6) at the Wan, HunyuanVideo and
+# head-dim-64 shapes three measured up to 1.4x faster than two for the statistics and 1-16 %
+# for the packing; four and six were slower for the packing.
+LOOP_STAGES = 3
+# Warps per K/V pre-pass program; eight measured slower than four (fewer programs per SM).
 PREPASS_WARPS = 4
-# Register ceilings (ptxas's .maxnreg). Left to itself ptxas aimed at 80, 128 or 168 registers,
-# by release, and left a few bytes of spill stores in some builds of Triton 3.6 and 3.7. The
-# packing kernel stays at three programs per SM (255 took it to two: 1.3-1.6x slower), except
-# with per-block K scales, whose K loop holds a whole tile.
-STATS_MAX_REGISTERS = 255
-PACK_MAX_REGISTERS = 168
+# Register ceilings (ptxas's .maxnreg) of the two K/V kernels, by padded head dim: they set how
+# many programs share an SM, and the loops wait on memory, so more programs pay. Left to itself
+# ptxas took 128-168 registers, three programs per SM. 128 at head dim 128 (four per SM, no
+# spills) took the packing kernel from 936 to 832 us at Wan2.1-14B 720p; at 64 it spilled.
+def prepass_max_registers(d_pad: int) -> int:
+    return 128 if d_pad >= 128 else 168
+
+
+def prepass_programs_target(d_pad: int) -> int:
+    """Programs per K/V pre-pass launch to aim for: as many as fit on an H200 at once."""
+    return (4 if prepass_max_registers(d_pad) <= 128 else 3) * H200_SMS
+
+
+# Warps of the Q quantisation's programs (one tile of BLOCK_M rows each): at padded head dim 128 a
+# 128-row tile in 4 warps is 128 fp32 values per thread (255 registers, two programs per SM); 8
+# warps halve that (Wan2.1-14B 720p: 456 -> 374 us). At 64, 4 and 8 measured the same.
+def q_warps(d_pad: int) -> int:
+    return 8 if d_pad >= 128 else 4
+
 
 _POS_INF = tl.constexpr(float("inf"))
 _NEG_INF = tl.constexpr(float("-inf"))
@@ -135,7 +149,7 @@ def wgmma_key_of_column(columns: torch.Tensor) -> torch.Tensor:
     return (c & ~31) | (c & 16) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1) | (c & 1)
 
 
-def kv_split(n_tiles: int, n_heads: int, n_programs_target: int = N_PROGRAMS_TARGET) -> tuple[int, int]:
+def kv_split(n_tiles: int, n_heads: int, n_programs_target: int) -> tuple[int, int]:
     """How the K/V pre-pass splits the key tiles of each of `n_heads` (batch, KV head) pairs.
 
     Returns ``(n_split, tiles_per_program)``: ``n_split`` programs per head, about
@@ -284,7 +298,7 @@ def quantize_q(q, kv: QuantizedKV, *, sm_scale, block_m, pad_multiple=None) -> Q
         q, kv.workspace, q_q, q_scale, q_dot_k_mean,
         seq_len, dim, heads, heads // kv.k_q.shape[1], q_pad, float(sm_scale), kv.n_split,
         *q.stride(),
-        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER, num_warps=4,
+        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER, num_warps=q_warps(d_pad),
     )
     return QuantizedQ(q_q, q_scale, q_dot_k_mean)
 
@@ -311,14 +325,6 @@ def _key_tile(w_ptr, b, tile, seq_len, stride_wb, stride_ws, HAS_WEIGHT: tl.cons
 def _wgmma_key_of_column(c):
     """wgmma_key_of_column, in a kernel."""
     return (c & ~31) | (c & 16) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1) | (c & 1)
-
-
-@triton.jit
-def _wgmma_order(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The rows of `x` (ROWS keys, a multiple of 32) put in the "wgmma" order: row c of the result
-    is row wgmma_key_of_column(c) of `x`. The key bits (k4 k3 k2 k1 k0) of row c are (c4 c1 c3 c2 c0)."""
-    x = tl.reshape(x, [ROWS // 32, 2, 2, 2, 2, 2, COLS])  # (group, k4, k3, k2, k1, k0, column)
-    return tl.reshape(tl.permute(x, [0, 1, 3, 4, 2, 5, 6]), [ROWS, COLS])
 
 
 @triton.jit
@@ -481,9 +487,21 @@ def _quantize_kv_kernel(
     else:
         writes_weights = bh == 0
     w_row = tl.arange(0, ROWSUM_COLS)
-    v_err = tl.zeros([D_PAD], tl.float32)
+    V_ERR_ROWS: tl.constexpr = 16
+    # V's rounding error, summed per step only over keys that the same thread holds (the leading
+    # axis of the reshape is made of register repetitions in the tile's layout: no shared memory),
+    # and over the rest once, after the loop. A full sum per step is a reduction across warps
+    # through shared memory every step; an elementwise accumulator spilled under Triton 3.9.
+    v_err = tl.zeros([V_ERR_ROWS, D_PAD], tl.float32)
     for sub in tl.range(first * (BLOCK_N // SUB_N), last * (BLOCK_N // SUB_N), num_stages=LOOP_STAGES):
-        rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, SUB_N)
+        # Column c of v_t is loaded from its key: in the "wgmma" order the rows are read in a
+        # permuted order (still whole rows), so the tile needs no permutation before its store.
+        columns = tl.arange(0, SUB_N).to(tl.int64) + sub * SUB_N
+        if WGMMA_ORDER:
+            rows = _wgmma_key_of_column(columns)
+        else:
+            rows = columns
+        row_in, weight = _key_weights(w_ptr, b, rows, seq_len, stride_wb, stride_ws, HAS_WEIGHT)
         in_bounds = row_in[:, None] & col_in[None, :]
         keep = (weight[:, None] != 0.0) & in_bounds
         v = tl.load(v_ptr + b * stride_vb + rows[:, None] * stride_vs + h * stride_vh + cols[None, :] * stride_vd,
@@ -494,34 +512,27 @@ def _quantize_kv_kernel(
         else:
             v = tl.where(keep, v, 0.0)
         v_low = to_low_precision(v, vt_ptr.dtype.element_ty, SOFT_ROUND)
-        v_err += tl.sum(v_low.to(tl.float32) - v, 0)
-        if WGMMA_ORDER:  # rows in column order: column c holds key wgmma_key_of_column(c)
-            v_low = _wgmma_order(v_low, SUB_N, D_PAD)
-        tl.store(vt_ptr + (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + rows[:, None], v_low)
+        v_err += tl.sum(tl.reshape(v_low.to(tl.float32) - v, [SUB_N // V_ERR_ROWS, V_ERR_ROWS, D_PAD]), 0)
+        tl.store(vt_ptr + (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + columns[:, None], v_low)
         if writes_weights:
-            # Column c's weight, gathered from its key: sending the 1-D weights through
-            # _wgmma_order gave wrong bytes on an H200 (Triton 3.6) when seq_len % 16 == 0.
-            if WGMMA_ORDER:
-                _, weight = _key_weights(w_ptr, b, _wgmma_key_of_column(rows), seq_len, stride_wb, stride_ws,
-                                         HAS_WEIGHT)
             w_tile = tl.where((w_row == 0)[:, None], weight[None, :], 0.0)
-            tl.store(rowsum_w_ptr + (b * ROWSUM_COLS + w_row)[:, None] * s_pad + rows[None, :],
+            tl.store(rowsum_w_ptr + (b * ROWSUM_COLS + w_row)[:, None] * s_pad + columns[None, :],
                      to_low_precision(w_tile, rowsum_w_ptr.dtype.element_ty, SOFT_ROUND))
     # V's rounding error over this program's keys, per channel in scaled units (quantize_q
     # reduces it; a program that owns no tile writes zeros).
-    tl.store(v_err_ptr + (bh.to(tl.int64) * n_split + split) * D_PAD + cols, v_err)
+    tl.store(v_err_ptr + (bh.to(tl.int64) * n_split + split) * D_PAD + cols, tl.sum(v_err, 0))
 
 
 def _sub_tile(block_n, d_pad):
-    """Keys per step of the pre-pass loops: with LOOP_STAGES tiles in flight, at most 64 fp32
-    values per thread in all (more spilled at head dim 128), at least 32 keys (the wgmma order's
-    group)."""
-    return min(block_n, max(32, 64 * 32 * PREPASS_WARPS // d_pad // LOOP_STAGES))
+    """Keys per step of the pre-pass loops: 32 fp32 values per thread (more spilled at head dim
+    128), at least 32 keys (the wgmma order's group). The tiles in flight wait in shared memory
+    (LOOP_STAGES), not in registers."""
+    return min(block_n, max(32, 32 * 32 * PREPASS_WARPS // d_pad))
 
 
 def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smooth_v=True,
                 v_dtype=torch.float8_e4m3fn, pv_key_order="natural",
-                n_programs_target=N_PROGRAMS_TARGET) -> QuantizedKV:
+                n_programs_target=None) -> QuantizedKV:
     """Quantise K to INT8 and pack V (FP8 with per-channel scales, or 16-bit) for the forward kernel.
 
     Two launches (statistics, then packing; module docstring); ``v_mean`` of the result is final
@@ -545,8 +556,9 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     pv_key_order : str
         The order of the keys in ``v_t`` and ``rowsum_weights`` (:class:`QuantizedKV`): ``"natural"``
         for the Triton kernel, ``"wgmma"`` for the warp-specialised Gluon kernel.
-    n_programs_target : int
-        Programs per launch to aim for (:func:`kv_split`); the statistics' fp32 sums follow the split.
+    n_programs_target : int or None
+        Programs per launch to aim for (:func:`kv_split`); the statistics' fp32 sums follow the
+        split. Default :func:`prepass_programs_target` of `d_pad`.
     """
     if pv_key_order not in PV_KEY_ORDERS:
         raise ValueError(f"pv_key_order must be one of {PV_KEY_ORDERS}, got {pv_key_order!r}")
@@ -555,6 +567,7 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     bsz, seq_len, heads, dim = k.shape
     if d_pad < dim or d_pad & (d_pad - 1):
         raise ValueError(f"d_pad must be a power of two at least the head dim {dim}, got {d_pad}")
+    n_programs_target = n_programs_target or prepass_programs_target(d_pad)
     n_split, tiles_per_program = kv_split(cdiv(seq_len, block_n), bsz * heads, n_programs_target)
     return _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, block_n=block_n, d_pad=d_pad,
                               k_per_token=k_per_token, smooth_v=smooth_v, v_dtype=v_dtype, pv_key_order=pv_key_order)
@@ -584,14 +597,15 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
     Relaunch.of(_fsattn_kv_stats_kernel)[grid](
         k, v, w_args[0], ws, *shared, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, V_MEAN=smooth_v and v_fp8, V_RANGE=v_fp8, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
-        LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS, maxnreg=STATS_MAX_REGISTERS,
+        LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS, maxnreg=prepass_max_registers(d_pad),
     )
     Relaunch.of(_quantize_kv_kernel)[grid](
         k, v, w_args[0], ws, k_q, v_t, rowsum_w, *shared, s_pad, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8, SMOOTH_V=smooth_v,
         WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=IN_INTERPRETER, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
         ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS,
-        maxnreg=PACK_MAX_REGISTERS if k_per_token else STATS_MAX_REGISTERS,
+        # Per-block K scales: the K loop holds a whole tile, which spills under the ceiling.
+        maxnreg=prepass_max_registers(d_pad) if k_per_token else 255,
     )
     return QuantizedKV(
         k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
