@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import SHAPES, SWEEP  # noqa: E402
+from shapes import KEYS_SWEEP, SHAPES, SWEEP  # noqa: E402
 
-ALL_SHAPES = {**SHAPES, **SWEEP}
+ALL_SHAPES = {**SHAPES, **SWEEP, **KEYS_SWEEP}
+SWEEPS = {"sweep": SWEEP, "keys_sweep": KEYS_SWEEP}
 
 from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats  # noqa: E402
 from fsattn_diffusers.metrics import cosine_similarity, relative_l1  # noqa: E402
@@ -146,8 +147,8 @@ def accuracy(out_fn, q, k, v, mask, seed, rows=1024):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(ALL_SHAPES) + ["sweep"],
-                        help="shape names, or 'sweep' for the sequence-length sweep")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(ALL_SHAPES) + list(SWEEPS),
+                        help="shape names, 'sweep' for the sequence-length sweep, 'keys_sweep' for the key-count sweep")
     parser.add_argument("--variants", nargs="+", default=["default"],
                         help=f"fsattn variants: names from {list(VARIANTS)} or 'label:key=value,...'")
     parser.add_argument("--baselines", nargs="*", default=["default", "flash", "cudnn", "sage"])
@@ -174,7 +175,7 @@ def main():
             with open(args.out, "w") as f:
                 json.dump({"environment": env, "rows": rows, "kernels": kernel_report()}, f, indent=1)
 
-    names = [n for name in args.shapes for n in (SWEEP if name == "sweep" else [name])]
+    names = [n for name in args.shapes for n in SWEEPS.get(name, [name])]
     for name in names:
         shape = ALL_SHAPES[name]
         q, k, v, mask = make_inputs(shape, args.seed)

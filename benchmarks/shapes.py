@@ -44,3 +44,12 @@ SWEEP = {
     for s in [Shape(f"seq_{n}", 1, 12, n, n, 128, note="length sweep") for n in
               (1024, 2048, 4096, 8192, 16384, 32760, 75600)]
 }
+
+# Queries of Wan2.1 self-attention attending to growing numbers of keys (cross-attention to text
+# has 512): where fsattn's fixed cost per query row stops paying (FSAttnConfig.sdpa_below_keys).
+KEYS_SWEEP = {
+    s.name: s
+    for s in [Shape(f"{model}_keys_{n}", 1, heads, seq_q, n, 128, note="key-count sweep")
+              for model, heads, seq_q in (("wan14b", 40, 75600), ("wan13b", 12, 32760))
+              for n in (512, 1024, 2048, 4096, 8192)]
+}

@@ -23,6 +23,7 @@ _FIELD_TYPES = {
     **{name: str for name in _CHOICES},
     "smooth_v": bool, "check_finite": bool,
     "max_threshold": (int, float), "exp_offload": (int, float), "sdpa_below_flops": (int, float),
+    "sdpa_below_keys": int,
     "block_m": int, "block_n": int, "num_warps": int, "num_stages": int,
 }
 _OPTIONAL_FIELDS = ("smooth_v", "block_m", "block_n", "num_warps", "num_stages")
@@ -92,8 +93,15 @@ class FSAttnConfig:
         (SDPA), which is exact and, at that size, faster, because fsattn has a fixed cost per call
         (quantisation launches, host time). The default, 3e11 (about 7,000 tokens at 12 heads of
         128), lies at the measured crossover on the H200 (README, "Measured": SDPA faster at 4,096
-        tokens, fsattn at 8,192); it sends cross-attention to a few hundred text tokens to SDPA.
-        ``0`` runs every call on fsattn.
+        tokens, fsattn at 8,192). ``0`` runs every call of any size on fsattn.
+    sdpa_below_keys : int
+        Used by the diffusers integrations as ``sdpa_below_flops`` is: on CUDA devices, calls that
+        attend to fewer keys than this run the model's own attention. fsattn quantises every query
+        row and writes its LSE whatever the number of keys, so with few keys that fixed cost per
+        row outweighs the faster 8-bit GEMMs however many rows there are: cross-attention to 512
+        text tokens measured 0.57x SDPA at Wan2.1-14B 720p (75,600 queries, 40 heads), where it has
+        2.6x the FLOPs of ``sdpa_below_flops``. The default lies at the measured crossover on the
+        H200 (README, "Measured"). ``0`` turns the rule off.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same attention to within FP8 rounding.
         ``"auto"`` (default): the fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims
@@ -124,6 +132,7 @@ class FSAttnConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     sdpa_below_flops: float = 3e11
+    sdpa_below_keys: int = 2048
     kernel: str = "auto"
     check_finite: bool = False
 
@@ -154,6 +163,8 @@ class FSAttnConfig:
             )
         if not (self.sdpa_below_flops >= 0 and math.isfinite(self.sdpa_below_flops)):
             raise ValueError(f"FSAttnConfig.sdpa_below_flops={self.sdpa_below_flops!r}; expected a finite number >= 0")
+        if self.sdpa_below_keys < 0:
+            raise ValueError(f"FSAttnConfig.sdpa_below_keys={self.sdpa_below_keys!r}; expected an int >= 0")
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value is not None and value not in _BLOCK_SIZES:

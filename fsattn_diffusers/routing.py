@@ -33,22 +33,26 @@ def attention_flops(query, key, layout) -> float:
 
 
 def too_small_for_fsattn(query, key, layout, config, work_factor: int = 1) -> bool:
-    """Whether SDPA beats fsattn at this size (a CUDA call under ``config.sdpa_below_flops`` FLOPs).
+    """Whether SDPA beats fsattn at this size: a CUDA call under ``config.sdpa_below_flops`` FLOPs,
+    or with fewer keys than ``config.sdpa_below_keys``.
 
-    `work_factor` scales the FLOPs of the given shapes to those of the call that will run (under
-    Ulysses of degree u, a rank's shards become u times the sequence over 1/u of the heads: u
-    times the work).
+    `work_factor` scales the given shapes to those of the call that will run (under Ulysses of
+    degree u, a rank's shards become u times the sequence over 1/u of the heads: u times the work
+    and u times the keys).
     """
     if query.device.type not in ROUTED_DEVICE_TYPES:
         return False  # the CPU emulation is a stand-in for the GPU kernel, not a speed choice
-    threshold = (config if config is not None else DEFAULT_CONFIG).sdpa_below_flops
-    return attention_flops(query, key, layout) * work_factor < threshold
+    config = config if config is not None else DEFAULT_CONFIG
+    seq_k = key.shape[1 if layout == "NHD" else 2] * work_factor
+    return (attention_flops(query, key, layout) * work_factor < config.sdpa_below_flops
+            or seq_k < config.sdpa_below_keys)
 
 
 def run_small_call(where: str, backend: str, fallback):
-    """Run a call below ``sdpa_below_flops`` on `fallback`. A performance choice, not a refusal:
-    strict mode does not object, it is logged at info, and counted as ``small_problem``."""
-    note_backend(where + " (below FSAttnConfig.sdpa_below_flops)", backend)
+    """Run a call too small for fsattn (``sdpa_below_flops``, ``sdpa_below_keys``) on `fallback`. A
+    performance choice, not a refusal: strict mode does not object, it is logged at info, and
+    counted as ``small_problem``."""
+    note_backend(where + " (below FSAttnConfig.sdpa_below_flops or sdpa_below_keys)", backend)
     if not torch.compiler.is_compiling():
         record_sdpa_fallback("small_problem")
     return fallback()

@@ -116,7 +116,7 @@ def wan_model(rank, world_size, device, *, model, dtype, latent, text_tokens, la
     from fsattn_diffusers import FSAttnConfig, builtin_models, register_fsattn_backend
 
     # Every call on the kernel, however small (the call counts below expect it).
-    register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=0))
+    register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=0))
     dtype = getattr(torch, dtype)
     spec = builtin_models.get_builtin(model)
     g = torch.Generator().manual_seed(1)
@@ -144,7 +144,7 @@ def ltx_model(rank, world_size, device, *, latent, text_tokens, layouts, qk_gain
 
     from fsattn_diffusers import FSAttnConfig, register_fsattn_backend
 
-    register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=0))
+    register_fsattn_backend(config=FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=0))
     frames, height, width = latent
     config = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=64,
                   cross_attention_dim=128, num_layers=1, caption_channels=32)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import fsattn_diffusers
 from fsattn_diffusers import FSAttnConfig, UnsupportedInputError, fsattn, register_fsattn_backend
 from fsattn_diffusers import diffusers_backend, routing
+from fsattn_diffusers.config import DEFAULT_CONFIG
 from fsattn_diffusers.diffusers_backend import add_enum_member
 from fsattn_diffusers.reference import attention_reference
 
@@ -227,12 +228,26 @@ def test_size_routing_threshold_defaults_and_ulysses_work_factor(monkeypatch):
     text = torch.empty(1, 512, 12, 128, device="meta")
     assert too_small(video, text, "NHD", None)  # Wan cross-attention, 1.0e11 FLOPs < 3e11 (default)
     assert not too_small(video, video, "NHD", None)  # Wan self-attention, 6.6e12
-    assert not too_small(video.transpose(1, 2), text.transpose(1, 2), "HND", FSAttnConfig(sdpa_below_flops=0))
+    # Under sdpa_below_flops=0 the same call is still too small by its 512 keys; with both rules off it runs.
+    assert too_small(video, text, "NHD", FSAttnConfig(sdpa_below_flops=0))
+    assert not too_small(video.transpose(1, 2), text.transpose(1, 2), "HND",
+                         FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=0))
+    # Wan2.1-14B 720p cross-attention: 7.9e11 FLOPs, over sdpa_below_flops, but 512 keys.
+    video_14b, text_14b = torch.empty(1, 75600, 40, 128, device="meta"), torch.empty(1, 512, 40, 128, device="meta")
+    assert routing.attention_flops(video_14b, text_14b, "NHD") > DEFAULT_CONFIG.sdpa_below_flops
+    assert too_small(video_14b, text_14b, "NHD", None)
+    assert not too_small(video_14b, text_14b, "NHD", FSAttnConfig(sdpa_below_keys=512))
+    assert too_small(video_14b, text_14b, "NHD", FSAttnConfig(sdpa_below_keys=513))
     # 1.5e11 FLOPs of shards: small alone, not once Ulysses of degree 2 has made it 3.1e11 per rank.
     shard = torch.empty(1, 5000, 12, 128, device="meta")
     assert routing.attention_flops(shard, shard, "NHD") == 4.0 * 12 * 5000 ** 2 * 128  # 1.5e11
     assert too_small(shard, shard, "NHD", None, work_factor=1)
     assert not too_small(shard, shard, "NHD", None, work_factor=2)
+    # Keys count after the gather too: 1,500 keys per rank are 3,000 once Ulysses of degree 2 has run.
+    few_keys = torch.empty(1, 1500, 12, 128, device="meta")
+    by_keys = FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=2048)
+    assert too_small(video, few_keys, "NHD", by_keys, work_factor=1)
+    assert not too_small(video, few_keys, "NHD", by_keys, work_factor=2)
 
 
 def test_size_routing_applies_to_cuda_tensors_only():

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 # The tiny models' calls are far below the size at which the integration hands attention to SDPA
 # (FSAttnConfig.sdpa_below_flops): turn that off so that every call reaches the kernel.
-EVERY_CALL = FSAttnConfig(sdpa_below_flops=0)
+EVERY_CALL = FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=0)
 
 
 def _to_cuda(model, inputs, dtype=torch.bfloat16):

@@ -58,7 +58,7 @@ def test_reduce_overhead_compile_of_a_wan_block_replays_its_own_output_bit_for_b
                                   in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960,
                                   num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                                   eps=1e-6).to("cuda", torch.bfloat16).eval()
-    apply_fsattn(model, config=FSAttnConfig(sdpa_below_flops=0))
+    apply_fsattn(model, config=FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=0))
 
     def inputs(seed):
         gen = torch.Generator(device="cuda").manual_seed(seed)

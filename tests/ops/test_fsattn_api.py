@@ -91,7 +91,7 @@ def test_grad_is_refused_with_a_clear_message():
                                  dict(exp_offload=0.5, pv_format="16bit"), dict(exp_offload=1.0, rowsum="fma"),
                                  dict(smooth_v=True, pv_format="16bit"), dict(num_stages=0),
                                  dict(sdpa_below_flops=-1.0), dict(sdpa_below_flops=float("inf")),
-                                 dict(sdpa_below_flops="1e12"), dict(kernel="cuda")])
+                                 dict(sdpa_below_flops="1e12"), dict(sdpa_below_keys=-1), dict(kernel="cuda")])
 def test_config_validation(bad):
     with pytest.raises((ValueError, TypeError)):
         FSAttnConfig(**bad)
@@ -100,7 +100,7 @@ def test_config_validation(bad):
 @pytest.mark.parametrize("field,value", [("block_m", 64.0), ("block_n", "128"), ("max_threshold", "3"),
                                          ("max_threshold", None), ("exp_offload", "1"), ("exp_offload", True),
                                          ("num_stages", True), ("num_warps", 4.0), ("sdpa_below_flops", True),
-                                         ("check_finite", 1), ("smooth_v", "yes"), ("kernel", 3)])
+                                         ("sdpa_below_keys", 2048.0), ("check_finite", 1), ("smooth_v", "yes"), ("kernel", 3)])
 def test_config_rejects_wrong_types_at_construction(field, value):
     with pytest.raises(TypeError, match=rf"FSAttnConfig\.{field}="):
         FSAttnConfig(**{field: value})
