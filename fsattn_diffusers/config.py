@@ -100,8 +100,9 @@ class FSAttnConfig:
         row and writes its LSE whatever the number of keys, so with few keys that fixed cost per
         row outweighs the faster 8-bit GEMMs however many rows there are: cross-attention to 512
         text tokens measured 0.57x SDPA at Wan2.1-14B 720p (75,600 queries, 40 heads), where it has
-        2.6x the FLOPs of ``sdpa_below_flops``. The default lies at the measured crossover on the
-        H200 (README, "Measured"). ``0`` turns the rule off.
+        2.6x the FLOPs of ``sdpa_below_flops``. The default, 4096, is where fsattn won on the H200
+        with Wan's queries (75,600 x 40 heads and 32,760 x 12): 0.99x and 0.91x SDPA at 2,048 keys,
+        1.17x and 1.11x at 4,096 (README, "Measured"). ``0`` turns the rule off.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same attention to within FP8 rounding.
         ``"auto"`` (default): the fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims
@@ -132,7 +133,7 @@ class FSAttnConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     sdpa_below_flops: float = 3e11
-    sdpa_below_keys: int = 2048
+    sdpa_below_keys: int = 4096
     kernel: str = "auto"
     check_finite: bool = False
 

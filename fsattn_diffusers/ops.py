@@ -67,8 +67,6 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
     cfg = _config_from_json(config_json)
     q, k, v = (_as_bshd(t, layout) for t in (query, key, value))
     bsz, seq_q, heads, head_dim = q.shape
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=query.device)
     plan = plan_for(cfg, target_of(q.device), head_dim, key_bias is not None, q.dtype)
     q_tiles = bsz * heads * -(-seq_q // plan.block_m)
     if q.device.type == "cuda":
@@ -76,12 +74,13 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
         # may run while cuda:0 is current. (Switching costs host time: only when needed.)
         current = q.device.index == torch.cuda.current_device()
         with contextlib.nullcontext() if current else torch.cuda.device(q.device):
-            _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, _as_bshd(out, layout), lse)
+            out, lse = _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
         stats.record_call("kernel", q_tiles)
     elif CPU_PATH == "interpreter":
-        _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, _as_bshd(out, layout), lse)
+        out, lse = _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
         stats.record_call("kernel", q_tiles)
     else:
+        out, lse = _outputs(query, layout)
         o, lse_e, fallbacks = emulate_fsattn(
             q, k, v, scale=scale, config=cfg, block_m=plan.block_m, block_n=plan.block_n,
             key_weight=key_weight, key_bias=key_bias)
@@ -92,12 +91,24 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
     return out, lse
 
 
-def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, out, lse):
-    """Quantise K/V for `plan` and launch its forward kernel (which quantises Q first)."""
+def _outputs(query, layout):
+    """The output (like `query`) and the LSE (B, H, Sq) float32, unwritten."""
+    bsz, seq_q, heads, _ = _as_bshd(query, layout).shape
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    return out, torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=query.device)
+
+
+def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout):
+    """Quantise K/V for `plan` and launch its forward kernel (which quantises Q first); returns the
+    output in `query`'s layout and the LSE."""
     from .kernels.quantize import quantize_kv
 
     kv = quantize_kv(k, v, key_weight, block_n=plan.block_n, d_pad=plan.d_pad, k_per_token=plan.k_per_token,
                      smooth_v=plan.smooth_v, v_dtype=plan.v_dtype, pv_key_order=plan.pv_key_order)
+    # Allocated after the K/V launches, while they run (host time before the first launch leaves
+    # the GPU idle where nothing else is queued).
+    out_in_layout, lse = _outputs(query, layout)
+    out = _as_bshd(out_in_layout, layout)
     if plan.kernel in ("gluon_ws", "gluon"):
         name = "fsattn_fwd_" + plan.kernel
         try:
@@ -107,15 +118,14 @@ def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, out, lse):
             else:
                 planning.gluon_module(name).fsattn_fwd_gluon(q, kv, out, lse, sm_scale=scale, block_m=plan.block_m,
                                                     num_warps=plan.num_warps, num_stages=plan.num_stages)
-            return
+            return out_in_layout, lse
         except Exception as err:  # noqa: BLE001 - narrowed to compile failures just below
             if not planning.is_compile_failure(err):
                 raise
             # Compilation happens before the launch and only the launch writes `out`: nothing to undo.
             planning.disable_gluon(name, err)
         plan = plan_for(cfg, target_of(q.device), q.shape[-1], key_bias is not None, q.dtype)
-        _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, out, lse)
-        return
+        return _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
     from .kernels import fsattn_fwd as fwd
 
     bias = None
@@ -126,6 +136,7 @@ def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, out, lse):
                    frozen=plan.max_mode_for(k.shape[1]), exp_mode=plan.exp_mode, pv_fp32=plan.pv_fp32,
                    rowsum_mma=plan.rowsum_mma, max_threshold=plan.max_threshold, block_m=plan.block_m,
                    num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return out_in_layout, lse
 
 
 @torch.library.custom_op("fsattn::attention", mutates_args=())

@@ -584,10 +584,6 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
     v_fp8 = v_dtype == torch.float8_e4m3fn
     ws, (k_mean, v_mean, v_scale, k_scale) = _workspace_views(
         bsz, heads, d_pad, n_split, s_pad if k_per_token else n_tiles, dev)
-    k_q = torch.empty(bsz, heads, s_pad, d_pad, dtype=torch.int8, device=dev)
-    v_t = torch.empty(bsz, heads, d_pad, s_pad, dtype=v_dtype, device=dev)
-    # The row-sum GEMM's B operand, stored (ROWSUM_COLS, S_pad) so that it is K-major.
-    rowsum_w = torch.empty(1 if key_weight is None else bsz, ROWSUM_COLS, s_pad, dtype=v_dtype, device=dev)
 
     has_weight = key_weight is not None
     w_args = (key_weight, *key_weight.stride()) if has_weight else (ws, 0, 0)  # ws: an unused pointer
@@ -599,6 +595,12 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
         HAS_WEIGHT=has_weight, V_MEAN=smooth_v and v_fp8, V_RANGE=v_fp8, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
         LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS, maxnreg=prepass_max_registers(d_pad),
     )
+    # Allocated while the statistics run: host time before the first launch leaves the GPU idle
+    # where nothing else is queued.
+    k_q = torch.empty(bsz, heads, s_pad, d_pad, dtype=torch.int8, device=dev)
+    v_t = torch.empty(bsz, heads, d_pad, s_pad, dtype=v_dtype, device=dev)
+    # The row-sum GEMM's B operand, stored (ROWSUM_COLS, S_pad) so that it is K-major.
+    rowsum_w = torch.empty(1 if key_weight is None else bsz, ROWSUM_COLS, s_pad, dtype=v_dtype, device=dev)
     Relaunch.of(_quantize_kv_kernel)[grid](
         k, v, w_args[0], ws, k_q, v_t, rowsum_w, *shared, s_pad, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8, SMOOTH_V=smooth_v,

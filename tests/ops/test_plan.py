@@ -146,7 +146,7 @@ def _run(config, head_dim=64, seq=100):
     q, k, v = (torch.randn(1, seq, 2, head_dim, generator=gen) for _ in range(3))
     weight = (torch.rand(1, seq, generator=gen) > 0.2).float()
     plan = ops.call_plan(config, torch.device("cpu"), head_dim)
-    ops._run_kernels(plan, config, q, k, v, weight, None, 0.125, torch.empty_like(q), None)
+    ops._run_kernels(plan, config, q, k, v, weight, None, 0.125, q, "NHD")
     return k, v, weight
 
 
