@@ -186,8 +186,8 @@ def fsattn(query, key, value, attn_mask=None, scale=None, layout="NHD", return_l
     to 128 (64, 96 and 128 are tuned); any lengths from 1. On CPU tensors the PyTorch emulation
     of the kernel's numerics runs; on a GPU without FP8 tensor cores (before sm_89) the call runs
     exact attention (SDPA), logged once and counted in :func:`~fsattn_diffusers.stats`.
-    ``config.sdpa_below_flops`` is not applied here: the diffusers integrations apply it, this
-    function always runs the kernels. No host synchronisation: it can be captured in a CUDA graph.
+    ``config.sdpa_below_flops`` and ``config.sdpa_below_keys`` are not applied here: the diffusers
+    integrations apply them, this function always runs the kernels. No host synchronisation: it can be captured in a CUDA graph.
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, FSAttnConfig):

@@ -122,7 +122,8 @@ def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
         except Exception as err:  # noqa: BLE001 - narrowed to compile failures just below
             if not planning.is_compile_failure(err):
                 raise
-            # Compilation happens before the launch and only the launch writes `out`: nothing to undo.
+            # Compilation happens before the launch: the K/V buffers are only read, and the retry
+            # below quantises again for its own plan and returns its own output.
             planning.disable_gluon(name, err)
         plan = plan_for(cfg, target_of(q.device), q.shape[-1], key_bias is not None, q.dtype)
         return _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)

@@ -51,10 +51,7 @@ ROWSUM_COLS = 16
 
 PV_KEY_ORDERS = ("natural", "wgmma")
 
-# Programs per SM that the pre-pass launches aim for: at padded head dim 128 the register ceiling
-# below lets four 4-warp programs share an SM, at 64 three (a ceiling of 128 spilled there). A
-# constant per head dim, not the device's SM count: the split fixes the order of the fp32 sums,
-# so the statistics' bits depend on the shapes alone, and choosing it costs no device query.
+# SMs of an H200: the pre-pass sizes its launches for it (prepass_programs_target).
 H200_SMS = 132
 # Programs per (batch, KV head) at most: every program of a head re-reads all of the head's
 # partials (5 rows of D_pad floats each, from L2) before packing, so the re-reading grows with the
@@ -64,29 +61,44 @@ MAX_SPLIT = 64
 SPLIT_BLOCK = 16
 # Depth of the loops' software pipelining (tl.range's num_stages): LOOP_STAGES - 1 key tiles of
 # loads in flight, waiting in shared memory. On an H200 (Triton 3.6) at the Wan, HunyuanVideo and
-# head-dim-64 shapes three measured up to 1.4x faster than two for the statistics and 1-16 %
+# head-dim-64 shapes three measured 1.3-1.4x faster than two for the statistics and 0-16 % faster
 # for the packing; four and six were slower for the packing.
 LOOP_STAGES = 3
 # Warps per K/V pre-pass program; eight measured slower than four (fewer programs per SM).
 PREPASS_WARPS = 4
-# Register ceilings (ptxas's .maxnreg) of the two K/V kernels, by padded head dim: they set how
-# many programs share an SM, and the loops wait on memory, so more programs pay. Left to itself
-# ptxas took 128-168 registers, three programs per SM. 128 at head dim 128 (four per SM, no
-# spills) took the packing kernel from 936 to 832 us at Wan2.1-14B 720p; at 64 it spilled.
+# Rows of the packing loop's partial sum of V's rounding error (at most the keys per step).
+V_ERR_ROWS = 16
+
+
 def prepass_max_registers(d_pad: int) -> int:
+    """Register ceiling (ptxas's .maxnreg) of the two K/V pre-pass kernels at padded head dim `d_pad`.
+
+    The ceiling sets how many programs share an SM, and the loops wait on memory, so more
+    programs pay. Left to itself ptxas took 128-168 registers, three programs per SM. 128 at head
+    dim 128 (four per SM; on Triton 3.6 no spills, on 3.7.1 and 3.9.0 a few bytes in some builds)
+    took the packing kernel from 936 to 832 us at Wan2.1-14B 720p on an H200; at 64 it spilled, so
+    168 stays there.
+    """
     return 128 if d_pad >= 128 else 168
 
 
 def prepass_programs_target(d_pad: int) -> int:
-    """Programs per K/V pre-pass launch to aim for: as many as fit on an H200 at once."""
+    """Programs per K/V pre-pass launch to aim for: as many as fit on an H200 at once.
+
+    A constant per head dim, not the device's SM count: the split fixes the order of the fp32 sums,
+    so the statistics' bits depend on the shapes alone, and choosing it costs no device query.
+    """
     return (4 if prepass_max_registers(d_pad) <= 128 else 3) * H200_SMS
 
 
-# Warps of the Q quantisation's programs (one tile of BLOCK_M rows each): at padded head dim 128 a
-# 128-row tile in 4 warps is 128 fp32 values per thread (255 registers, two programs per SM); 8
-# warps halve that (Wan2.1-14B 720p: 456 -> 374 us). At 64, 4 and 8 measured the same.
-def q_warps(d_pad: int) -> int:
-    return 8 if d_pad >= 128 else 4
+def q_warps(block_m: int, d_pad: int) -> int:
+    """Warps of a Q quantisation program (one tile of `block_m` rows by `d_pad` channels).
+
+    A 128 x 128 tile in 4 warps holds 128 fp32 values per thread (255 registers, two programs per
+    SM); 8 warps halve that: 456 -> 374 us at Wan2.1-14B 720p on an H200. Tiles of half that size
+    keep 4 warps (at head dim 64, 4 and 8 measured the same).
+    """
+    return 8 if block_m * d_pad >= 128 * 128 else 4
 
 
 _POS_INF = tl.constexpr(float("inf"))
@@ -298,7 +310,7 @@ def quantize_q(q, kv: QuantizedKV, *, sm_scale, block_m, pad_multiple=None) -> Q
         q, kv.workspace, q_q, q_scale, q_dot_k_mean,
         seq_len, dim, heads, heads // kv.k_q.shape[1], q_pad, float(sm_scale), kv.n_split,
         *q.stride(),
-        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER, num_warps=q_warps(d_pad),
+        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER, num_warps=q_warps(block_m, d_pad),
     )
     return QuantizedQ(q_q, q_scale, q_dot_k_mean)
 
@@ -420,6 +432,7 @@ def _quantize_kv_kernel(
     ROWSUM_COLS: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
+    V_ERR_ROWS: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -487,7 +500,6 @@ def _quantize_kv_kernel(
     else:
         writes_weights = bh == 0
     w_row = tl.arange(0, ROWSUM_COLS)
-    V_ERR_ROWS: tl.constexpr = 16
     # V's rounding error, summed per step only over keys that the same thread holds (the leading
     # axis of the reshape is made of register repetitions in the tile's layout: no shared memory),
     # and over the rest once, after the loop. A full sum per step is a reduction across warps
@@ -567,7 +579,8 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     bsz, seq_len, heads, dim = k.shape
     if d_pad < dim or d_pad & (d_pad - 1):
         raise ValueError(f"d_pad must be a power of two at least the head dim {dim}, got {d_pad}")
-    n_programs_target = n_programs_target or prepass_programs_target(d_pad)
+    if n_programs_target is None:
+        n_programs_target = prepass_programs_target(d_pad)
     n_split, tiles_per_program = kv_split(cdiv(seq_len, block_n), bsz * heads, n_programs_target)
     return _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, block_n=block_n, d_pad=d_pad,
                               k_per_token=k_per_token, smooth_v=smooth_v, v_dtype=v_dtype, pv_key_order=pv_key_order)
@@ -605,7 +618,8 @@ def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n,
         k, v, w_args[0], ws, k_q, v_t, rowsum_w, *shared, s_pad, *k.stride(), *v.stride(), *w_args[1:],
         HAS_WEIGHT=has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8, SMOOTH_V=smooth_v,
         WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=IN_INTERPRETER, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
-        ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS,
+        ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES, V_ERR_ROWS=min(V_ERR_ROWS, sub_n),
+        num_warps=PREPASS_WARPS,
         # Per-block K scales: the K loop holds a whole tile, which spills under the ceiling.
         maxnreg=prepass_max_registers(d_pad) if k_per_token else 255,
     )

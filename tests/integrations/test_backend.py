@@ -228,6 +228,9 @@ def test_size_routing_threshold_defaults_and_ulysses_work_factor(monkeypatch):
     text = torch.empty(1, 512, 12, 128, device="meta")
     assert too_small(video, text, "NHD", None)  # Wan cross-attention, 1.0e11 FLOPs < 3e11 (default)
     assert not too_small(video, video, "NHD", None)  # Wan self-attention, 6.6e12
+    # The key count is read from each layout's sequence axis (HND's axis 1 holds the 12 heads).
+    assert not too_small(video.transpose(1, 2), video.transpose(1, 2), "HND", FSAttnConfig(sdpa_below_flops=0))
+    assert too_small(video.transpose(1, 2), text.transpose(1, 2), "HND", FSAttnConfig(sdpa_below_flops=0))
     # Under sdpa_below_flops=0 the same call is still too small by its 512 keys; with both rules off it runs.
     assert too_small(video, text, "NHD", FSAttnConfig(sdpa_below_flops=0))
     assert not too_small(video.transpose(1, 2), text.transpose(1, 2), "HND",
@@ -253,7 +256,7 @@ def test_size_routing_threshold_defaults_and_ulysses_work_factor(monkeypatch):
 def test_size_routing_applies_to_cuda_tensors_only():
     # On CPU the emulation stands in for the GPU kernel: every call must reach it, however small.
     q, k, _ = _qkv()
-    assert not routing.too_small_for_fsattn(q, k, "NHD", FSAttnConfig(sdpa_below_flops=1e30))
+    assert not routing.too_small_for_fsattn(q, k, "NHD", FSAttnConfig(sdpa_below_flops=1e30, sdpa_below_keys=10**9))
 
 
 def test_small_calls_run_the_original_attention_counted_not_warned_even_when_strict(caplog, monkeypatch):

@@ -21,7 +21,7 @@ from .test_families import EXPECTED, amplify_attention
 pytestmark = pytest.mark.gpu
 
 # The tiny models' calls are far below the size at which the integration hands attention to SDPA
-# (FSAttnConfig.sdpa_below_flops): turn that off so that every call reaches the kernel.
+# (FSAttnConfig.sdpa_below_flops, sdpa_below_keys): turn both off so that every call reaches the kernel.
 EVERY_CALL = FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=0)
 
 
@@ -123,6 +123,6 @@ def test_wan21_1_3b_480p_81_frames_matches_sdpa():
           f"torch {torch.__version__}; stats {fsattn_diffusers.stats()}")
     assert similarity >= 0.999
     # 4 forwards x 30 blocks: self-attention (32760 tokens) on the kernel, cross-attention to 512 text
-    # tokens below FSAttnConfig.sdpa_below_flops, on SDPA.
+    # tokens (below FSAttnConfig.sdpa_below_flops and sdpa_below_keys) on SDPA.
     assert fsattn_diffusers.stats()["calls"] == {"kernel": 4 * 30}
     assert fsattn_diffusers.stats()["sdpa_fallbacks"] == {"small_problem": 4 * 30}

@@ -12,7 +12,7 @@ import torch
 from fsattn_diffusers import FSAttnConfig
 from fsattn_diffusers.kernels import quantize
 from fsattn_diffusers.kernels.fsattn_fwd import FROZEN_RESCALE, fsattn_fwd
-from fsattn_diffusers.kernels.quantize import kv_split, quantize_kv, quantize_q, wgmma_key_of_column
+from fsattn_diffusers.kernels.quantize import PV_KEY_ORDERS, kv_split, quantize_kv, quantize_q, wgmma_key_of_column
 from fsattn_diffusers.reference import _pack_v, _quantize_k, emulate_fsattn, to_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,15 +174,16 @@ def test_a_program_past_the_last_tile_writes_neutral_partials(poisoned):
     _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=True, v_dtype=FP8)
 
 
+@pytest.mark.parametrize("order", PV_KEY_ORDERS)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 1e30])
-def test_masked_keys_never_reach_the_outputs(bad):
+def test_masked_keys_never_reach_the_outputs(bad, order):
     # Whatever a masked key holds (padding tokens may hold inf or NaN), every output byte is the same.
     k, v, weight = _inputs(seed=3)
     masked = (weight == 0)[:, :, None, None]
     clean = _prepass(k.masked_fill(masked, 0.0), v.masked_fill(masked, 0.0), weight, block_n=32, d_pad=64,
-                     n_programs_target=12)[0]
+                     n_programs_target=12, pv_key_order=order)[0]
     dirty = _prepass(k.masked_fill(masked, bad), v.masked_fill(masked, bad), weight, block_n=32, d_pad=64,
-                     n_programs_target=12)[0]
+                     n_programs_target=12, pv_key_order=order)[0]
     for name in ("k_q", "k_scale", "v_t", "rowsum_weights", "workspace"):
         assert torch.equal(getattr(clean, name).view(torch.uint8), getattr(dirty, name).view(torch.uint8)), name
 
@@ -225,8 +226,9 @@ def test_the_prepass_is_deterministic_and_quantize_q_may_run_twice():
 
 
 @pytest.mark.parametrize("n_tiles, n_heads, target, expected", [
-    (256, 12, 396, (32, 8)),   # Wan 2.1 1.3B at 480p: 384 programs
-    (591, 40, 396, (9, 66)),   # Wan 2.1 14B at 720p
+    (256, 12, 528, (43, 6)),   # Wan 2.1 1.3B at 480p (head dim 128: four programs per SM): 516 programs
+    (591, 40, 528, (13, 46)),  # Wan 2.1 14B at 720p
+    (139, 96, 396, (4, 35)),   # CogVideoX-like head dim 64, batch 2 x 48 heads (three per SM)
     (5, 6, 12, (2, 3)),
     (5, 6, 18, (3, 2)),
     (9, 1, 4, (3, 3)),         # 4 programs of 3 tiles would leave the fourth with none
