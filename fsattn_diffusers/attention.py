@@ -187,7 +187,8 @@ def fsattn(query, key, value, attn_mask=None, scale=None, layout="NHD", return_l
     of the kernel's numerics runs; on a GPU without FP8 tensor cores (before sm_89) the call runs
     exact attention (SDPA), logged once and counted in :func:`~fsattn_diffusers.stats`.
     ``config.sdpa_below_flops`` and ``config.sdpa_below_keys`` are not applied here: the diffusers
-    integrations apply them, this function always runs the kernels. No host synchronisation: it can be captured in a CUDA graph.
+    integrations apply them, this function always runs the kernels. No host synchronisation: it
+    can be captured in a CUDA graph.
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, FSAttnConfig):

@@ -80,7 +80,7 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
         out, lse = _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
         stats.record_call("kernel", q_tiles)
     else:
-        out, lse = _outputs(query, layout)
+        out, lse = _outputs(query, q)
         o, lse_e, fallbacks = emulate_fsattn(
             q, k, v, scale=scale, config=cfg, block_m=plan.block_m, block_n=plan.block_n,
             key_weight=key_weight, key_bias=key_bias)
@@ -91,9 +91,10 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
     return out, lse
 
 
-def _outputs(query, layout):
-    """The output (like `query`) and the LSE (B, H, Sq) float32, unwritten."""
-    bsz, seq_q, heads, _ = _as_bshd(query, layout).shape
+def _outputs(query, q):
+    """The output (like `query`) and the LSE (B, H, Sq) float32, unwritten; `q` is `query` as
+    (B, S, H, D)."""
+    bsz, seq_q, heads, _ = q.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     return out, torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=query.device)
 
@@ -107,7 +108,7 @@ def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
                      smooth_v=plan.smooth_v, v_dtype=plan.v_dtype, pv_key_order=plan.pv_key_order)
     # Allocated after the K/V launches, while they run (host time before the first launch leaves
     # the GPU idle where nothing else is queued).
-    out_in_layout, lse = _outputs(query, layout)
+    out_in_layout, lse = _outputs(query, q)
     out = _as_bshd(out_in_layout, layout)
     if plan.kernel in ("gluon_ws", "gluon"):
         name = "fsattn_fwd_" + plan.kernel

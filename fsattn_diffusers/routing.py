@@ -25,9 +25,13 @@ ROUTED_DEVICE_TYPES = ("cuda",)
 _logged: set[tuple[str, str]] = set()
 
 
+def _seq_axis(layout) -> int:
+    return 1 if layout == "NHD" else 2
+
+
 def attention_flops(query, key, layout) -> float:
     """``4 * B * Hq * Sq * Sk * D``: the two GEMMs of non-causal attention."""
-    seq_axis = 1 if layout == "NHD" else 2
+    seq_axis = _seq_axis(layout)
     heads = query.shape[3 - seq_axis]
     return 4.0 * query.shape[0] * heads * query.shape[seq_axis] * key.shape[seq_axis] * query.shape[3]
 
@@ -43,7 +47,7 @@ def too_small_for_fsattn(query, key, layout, config, work_factor: int = 1) -> bo
     if query.device.type not in ROUTED_DEVICE_TYPES:
         return False  # the CPU emulation is a stand-in for the GPU kernel, not a speed choice
     config = config if config is not None else DEFAULT_CONFIG
-    seq_k = key.shape[1 if layout == "NHD" else 2] * work_factor
+    seq_k = key.shape[_seq_axis(layout)] * work_factor
     return (attention_flops(query, key, layout) * work_factor < config.sdpa_below_flops
             or seq_k < config.sdpa_below_keys)
 

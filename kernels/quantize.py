@@ -310,7 +310,8 @@ def quantize_q(q, kv: QuantizedKV, *, sm_scale, block_m, pad_multiple=None) -> Q
         q, kv.workspace, q_q, q_scale, q_dot_k_mean,
         seq_len, dim, heads, heads // kv.k_q.shape[1], q_pad, float(sm_scale), kv.n_split,
         *q.stride(),
-        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER, num_warps=q_warps(block_m, d_pad),
+        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER,
+        num_warps=q_warps(block_m, d_pad),
     )
     return QuantizedQ(q_q, q_scale, q_dot_k_mean)
 

@@ -100,7 +100,8 @@ def test_config_validation(bad):
 @pytest.mark.parametrize("field,value", [("block_m", 64.0), ("block_n", "128"), ("max_threshold", "3"),
                                          ("max_threshold", None), ("exp_offload", "1"), ("exp_offload", True),
                                          ("num_stages", True), ("num_warps", 4.0), ("sdpa_below_flops", True),
-                                         ("sdpa_below_keys", 2048.0), ("check_finite", 1), ("smooth_v", "yes"), ("kernel", 3)])
+                                         ("sdpa_below_keys", 2048.0), ("check_finite", 1), ("smooth_v", "yes"),
+                                         ("kernel", 3)])
 def test_config_rejects_wrong_types_at_construction(field, value):
     with pytest.raises(TypeError, match=rf"FSAttnConfig\.{field}="):
         FSAttnConfig(**{field: value})
