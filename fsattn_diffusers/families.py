@@ -153,6 +153,32 @@ def is_cross_attention(path: str, module, model) -> bool:
     return bool(getattr(module, "is_cross_attention", False))
 
 
+# Layers of joint attention that carry only the conditioning (text) tokens: the added
+# projections and the context feed-forward (diffusers names them so in every family).
+_CONDITIONING_LINEARS = ("add_q_proj", "add_k_proj", "add_v_proj", "to_added_qkv", "to_added_kv", "to_add_out")
+_CONDITIONING_SUBMODULES = ("ff_context",)
+
+
+def carries_conditioning(path: str, model) -> bool:
+    """Whether the layer at `path` (inside a block) is on the conditioning's own path into the video.
+
+    True for every layer of a cross-attention module (:func:`is_cross_attention`: its Q, K, V
+    and output projections, fused or not, and Wan I2V's image projections), for joint
+    attention's added projections (``add_q_proj``, ..., ``to_add_out``) and for anything under
+    ``ff_context``. These are the only places where the text or image prompt enters the video
+    tokens, so whatever error they add is what classifier-free guidance multiplies.
+    """
+    parts = path.split(".")
+    if parts[-1] in _CONDITIONING_LINEARS or any(p in _CONDITIONING_SUBMODULES for p in parts[:-1]):
+        return True
+    for end in range(len(parts) - 1, 0, -1):
+        ancestor = ".".join(parts[:end])
+        module = model.get_submodule(ancestor)
+        if is_attention_module(module):
+            return is_cross_attention(ancestor, module, model)
+    return False
+
+
 def own_processor_class(path: str, module, model):
     """The processor class that diffusers' own code gives the attention module at `path`.
 

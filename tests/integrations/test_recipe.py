@@ -79,20 +79,20 @@ def _float8_layers(model):
             if isinstance(m, torch.nn.Linear) and type(m.weight).__module__.startswith("torchao.")}
 
 
-def _wan_block(i, image=False):
-    names = [f"blocks.{i}.attn{a}.{p}" for a in (1, 2) for p in ("to_q", "to_k", "to_v", "to_out.0")]
+def _wan_block(i):
+    # Not the cross-attention (attn2: to_q, to_k, to_v, to_out; in I2V also the image tokens'
+    # add_k_proj, add_v_proj): the prompt's own path into the video.
+    names = [f"blocks.{i}.attn1.{p}" for p in ("to_q", "to_k", "to_v", "to_out.0")]
     names += [f"blocks.{i}.ffn.net.0.proj", f"blocks.{i}.ffn.net.2"]
-    if image:  # Wan I2V: the cross-attention's projections of the image tokens
-        names += [f"blocks.{i}.attn2.add_k_proj", f"blocks.{i}.attn2.add_v_proj"]
     return names
 
 
 WAN_T2V = _wan_block(0) + _wan_block(1)
 # Written out, not derived: the adaLN modulation (norm1.linear, norm1_context.linear, norm.linear),
-# the token refiner, the embedders, norm_out and proj_out are absent.
+# the text stream's layers (add_q/k/v_proj, to_add_out, ff_context), the token refiner, the
+# embedders, norm_out and proj_out are absent.
 HUNYUAN = [f"transformer_blocks.0.{n}" for n in (
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0",
-    "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")] + [
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")] + [
     f"single_transformer_blocks.0.{n}" for n in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")]
 COGVIDEOX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
     "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")]
@@ -102,7 +102,7 @@ COGVIDEOX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
 
 @pytest.mark.parametrize("family, expected", [
     ("wan_t2v", WAN_T2V),
-    ("wan_i2v", _wan_block(0, image=True) + _wan_block(1, image=True)),
+    ("wan_i2v", WAN_T2V),
     ("hunyuan_video", HUNYUAN),
     ("cogvideox", COGVIDEOX),
 ])
@@ -113,6 +113,18 @@ def test_fp8_selection_is_the_block_linears_without_the_modulation(family, expec
     assert sorted(names["model"]) == sorted(expected)
 
 
+def test_fp8_conditioning_adds_the_cross_attention_and_the_text_stream():
+    wan, _ = BUILDERS["wan_i2v"]()
+    conditioning = [f"blocks.{i}.attn2.{p}" for i in (0, 1)
+                    for p in ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj")]
+    assert sorted(fp8_linear_names(wan, fp8_conditioning=True)["model"]) == sorted(WAN_T2V + conditioning)
+    hunyuan, _ = BUILDERS["hunyuan_video"]()
+    text_stream = [f"transformer_blocks.0.{n}" for n in (
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context.net.0.proj",
+        "ff_context.net.2")]
+    assert sorted(fp8_linear_names(hunyuan, fp8_conditioning=True)["model"]) == sorted(HUNYUAN + text_stream)
+
+
 def test_fp8_selection_covers_both_transformers_of_wan22():
     pipe = build_wan_pipeline(second_transformer=True)
     assert {k: sorted(v) for k, v in fp8_linear_names(pipe).items()} == {"transformer": sorted(WAN_T2V),
@@ -120,7 +132,7 @@ def test_fp8_selection_covers_both_transformers_of_wan22():
 
 
 @pytest.mark.parametrize("family, fused_layers", [
-    ("wan_t2v", [f"blocks.{i}.attn1.to_qkv" for i in (0, 1)] + [f"blocks.{i}.attn2.to_kv" for i in (0, 1)]),
+    ("wan_t2v", [f"blocks.{i}.attn1.to_qkv" for i in (0, 1)]),
     ("cogvideox", [f"transformer_blocks.{i}.attn1.to_qkv" for i in (0, 1)]),
     ("hunyuan_video", []),  # its processor reads separate projections: nothing to fuse
 ])
@@ -130,6 +142,15 @@ def test_fp8_quantizes_exactly_the_selection_and_the_fused_layers(fp8_on_cpu, fa
     apply_recipe(model, fsattn=False, compile=False)
     assert _float8_layers(model) == set(expected) | set(fused_layers)
     assert sorted(recipe_summary(model)["model"]["fp8_linear"]) == sorted(set(expected) | set(fused_layers))
+
+
+def test_fp8_conditioning_quantizes_the_cross_attention_too(fp8_on_cpu):
+    model, _ = _bf16(*BUILDERS["wan_t2v"]())
+    apply_recipe(model, fsattn=False, compile=False, fp8_conditioning=True)
+    cross = {f"blocks.{i}.attn2.{p}" for i in (0, 1) for p in ("to_q", "to_k", "to_v", "to_out.0", "to_kv")}
+    fused = {f"blocks.{i}.attn1.to_qkv" for i in (0, 1)}
+    assert _float8_layers(model) == set(WAN_T2V) | cross | fused
+    assert recipe_summary(model)["model"]["parts"]["fp8_conditioning"] is True
 
 
 # ----------------------------------------------------------------------------- refusals before any change
@@ -147,7 +168,7 @@ def test_fp8_needs_bf16_weights(fp8_on_cpu):
     model, _ = BUILDERS["wan_t2v"]()  # float32
     before = _snapshot(model)
     with pytest.raises(TypeError, match=r"needs bfloat16 weights .* model\.blocks\.0\.attn1\.to_q is torch\.float32 "
-                                        r"\(20 such layers\)"):
+                                        r"\(12 such layers\)"):
         apply_recipe(model)
     _assert_unchanged(model, before)
 
@@ -189,6 +210,8 @@ def test_an_error_midway_puts_everything_back(fp8_on_cpu, monkeypatch):
     (dict(fsattn=False, fsattn_options={"strict": True}), ValueError, "with fsattn=False"),
     (dict(compile_options={"fullgraph": False}), ValueError, r"compile_options sets \['fullgraph'\]"),
     (dict(compile=False, compile_options={"backend": "eager"}), ValueError, "with compile=False"),
+    (dict(fp8_conditioning=1), TypeError, r"fp8_conditioning=1; expected True or False"),
+    (dict(fp8_linear=False, fp8_conditioning=True), ValueError, r"fp8_conditioning=True .* fp8_linear is False"),
     (dict(fp8_linear=False, keep_original_weights=True), ValueError, "fp8_linear is False"),
     (dict(fsattn_options=[("strict", True)]), TypeError, "fsattn_options=.*expected a dict"),
 ])
@@ -331,8 +354,7 @@ def test_fp8_without_kept_weights_stays_after_removal(fp8_on_cpu):
     assert recipe_summary(model) == {"model": None}
     assert fp8_linear_names(model) == {"model": []}  # nothing left to quantize: applying again keeps them
     apply_recipe(model, compile=False)
-    assert _float8_layers(model) == set(WAN_T2V) | {"blocks.0.attn1.to_qkv", "blocks.1.attn1.to_qkv",
-                                                    "blocks.0.attn2.to_kv", "blocks.1.attn2.to_kv"}
+    assert _float8_layers(model) == set(WAN_T2V) | {"blocks.0.attn1.to_qkv", "blocks.1.attn1.to_qkv"}
 
 
 def test_wan22_pipeline_gets_the_recipe_on_both_transformers():
@@ -352,6 +374,26 @@ def test_wan22_pipeline_gets_the_recipe_on_both_transformers():
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     remove_recipe(pipe)
     assert recipe_summary(pipe) == {"transformer": None, "transformer_2": None}
+
+
+@pytest.mark.parametrize("given, passed", [
+    (None, {"options": recipe.DEFAULT_INDUCTOR_OPTIONS}),
+    ({"backend": "inductor"}, {"backend": "inductor", "options": recipe.DEFAULT_INDUCTOR_OPTIONS}),
+    ({"options": {}}, {"options": {}}),  # the caller's options, even empty, replace the default
+    ({"mode": "max-autotune-no-cudagraphs"}, {"mode": "max-autotune-no-cudagraphs"}),  # torch.compile takes one
+    (EAGER, EAGER),  # options are inductor's
+])
+def test_inductor_gets_the_default_options_unless_the_caller_names_mode_or_options(monkeypatch, given, passed):
+    assert recipe.DEFAULT_INDUCTOR_OPTIONS == {"coordinate_descent_tuning": True}
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
+    model, _ = BUILDERS["wan_t2v"]()
+    apply_recipe(model, fsattn=False, fp8_linear=False, compile_options=given)
+    assert len(seen) == len(model.blocks)
+    for kwargs in seen:
+        assert kwargs.pop("fullgraph") is True
+        kwargs.pop("dynamic")
+        assert kwargs == passed
 
 
 # ----------------------------------------------------------------------------- context parallelism
