@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch.compile's dynamic for compiled rows (auto: torch's default)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (tests use eager)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    parser.add_argument("--fp8-conditioning", action="store_true",
+                        help="the FP8 rows also put the cross-attention / text stream in FP8 (apply_recipe's "
+                             "fp8_conditioning)")
+    parser.add_argument("--inductor-options", default=None,
+                        help="torch.compile options= for the compiled rows, as JSON (e.g. '{\"triton.multi_kernel\": 1}'; "
+                             "'{}' for inductor's defaults); default: apply_recipe's own")
     parser.add_argument("--coordinate-descent-tuning", action="store_true",
                         help="turn on inductor's coordinate-descent tuning, as torchao's set_inductor_config does "
                              "(the recipe leaves it off): measures what it costs and gains")
@@ -204,6 +210,8 @@ class Settings:
     dynamic: bool | None
     compile_backend: str
     compile_mode: str | None
+    fp8_conditioning: bool
+    inductor_options: dict | None
     coordinate_descent_tuning: bool
     cache_dir: str | None
     decode: bool
@@ -261,6 +269,19 @@ def resolve_settings(parser, args) -> tuple[Settings, list[Row], torch.device, t
         except (json.JSONDecodeError, TypeError, ValueError) as exc:
             parser.error(f"--fsattn-config={args.fsattn_config!r}: expected a JSON object of FSAttnConfig fields "
                          f"({exc})")
+    if args.fp8_conditioning and not any(r.fp8 for r in rows):
+        parser.error(f"--fp8-conditioning: none of the rows {[r.name for r in rows]} has fp8")
+    inductor_options = None
+    if args.inductor_options is not None:
+        try:
+            inductor_options = json.loads(args.inductor_options)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--inductor-options={args.inductor_options!r}: expected a JSON object ({exc})")
+        if not isinstance(inductor_options, dict):
+            parser.error(f"--inductor-options={args.inductor_options!r}: expected a JSON object of inductor options")
+        if args.compile_mode:
+            parser.error(f"--inductor-options with --compile-mode={args.compile_mode!r}: torch.compile takes one of "
+                         "mode and options, not both")
     if args.budget_s is not None and args.budget_s <= 0:
         parser.error(f"--budget-s={args.budget_s}: expected a positive number of seconds")
     latent_frames = (frames - 1) // 4 + 1
@@ -275,7 +296,8 @@ def resolve_settings(parser, args) -> tuple[Settings, list[Row], torch.device, t
         guidance_scale=spec.guidance_scale if args.guidance_scale is None else args.guidance_scale,
         baseline_backend=args.baseline_backend, fsattn_config=fsattn_config,
         dynamic={"auto": None, "true": True, "false": False}[args.dynamic], compile_backend=args.compile_backend,
-        compile_mode=args.compile_mode, coordinate_descent_tuning=args.coordinate_descent_tuning,
+        compile_mode=args.compile_mode, fp8_conditioning=args.fp8_conditioning, inductor_options=inductor_options,
+        coordinate_descent_tuning=args.coordinate_descent_tuning,
         cache_dir=args.cache_dir, decode=decode and not args.first_call_only, profile=args.profile,
         budget_s=args.budget_s, seed=args.seed, device=str(device), dtype=str(dtype).replace("torch.", ""))
     return settings, rows, device, dtype
@@ -471,9 +493,12 @@ def set_up_row(row: Row, transformer, settings: Settings, default_backend: str) 
         options = {"backend": settings.compile_backend}
         if settings.compile_mode:
             options["mode"] = settings.compile_mode
+        if settings.inductor_options is not None:
+            options["options"] = dict(settings.inductor_options)
         fsattn_diffusers.apply_recipe(
             transformer, fsattn=row.fsattn, fsattn_options={"config": config} if row.fsattn else None,
-            fuse_qkv=row.fuse, fp8_linear=row.fp8, compile=row.compile, dynamic=settings.dynamic,
+            fuse_qkv=row.fuse, fp8_linear=row.fp8, fp8_conditioning=row.fp8 and settings.fp8_conditioning,
+            compile=row.compile, dynamic=settings.dynamic,
             compile_options=options if row.compile else None)
     elif row.fsattn:
         fsattn_diffusers.apply_fsattn(transformer, config=config)

@@ -141,7 +141,10 @@ def test_attention_share_is_profiled_per_row(cli_report):
 
 # ----------------------------------------------------------------------------- FP8 rows
 
-def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_path):
+# 12 block linears (the cross-attention stays bf16) and the 2 fused self-attention QKV projections;
+# with --fp8-conditioning also the cross-attention's 8 and its 2 fused K/V projections.
+@pytest.mark.parametrize("flags, first, layers", [([], 14, 12), (["--fp8-conditioning"], 24, 20)])
+def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_path, flags, first, layers):
     # torchao's float8 GEMMs on the CPU through torch's emulated _scaled_mm (tests/integrations/test_recipe.py).
     from fsattn_diffusers import recipe
 
@@ -151,15 +154,14 @@ def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_p
     monkeypatch.setattr(inference, "is_MI300", lambda: True)
     monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)
     report = bench.main([*SMALL, "--dtype", "bf16", "--rows", "recipe,fsattn+fp8+compile,default", "--steps", "1",
-                         "--no-decode", "--out", str(tmp_path / "fp8.json")])
+                         "--no-decode", "--out", str(tmp_path / "fp8.json"), *flags])
     rows = {r["row"]: r for r in report["rows"]}
     assert [r["row"] for r in report["rows"]] == ["default", "recipe", "fsattn+fp8+compile"]
-    # 20 block linears, plus 4 fused projections the first time; the second FP8 row finds the 20
-    # (unfused again) quantized, and runs them.
-    assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": 24,
-                                        "fp8_linear_layers_quantized_here": 24, "compiled_modules": 2}
+    # The second FP8 row finds the block linears (unfused again) quantized, and runs them.
+    assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": first,
+                                        "fp8_linear_layers_quantized_here": first, "compiled_modules": 2}
     assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 0
-    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == 20
+    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == layers
     for name in ("recipe", "fsattn+fp8+compile"):
         assert rows[name]["dynamo"]["graph_breaks"] == 0 and rows[name]["dynamo"]["stats.unique_graphs"] == 1
         assert 0.99 < rows[name]["quality"]["output_cosine"] < 1.0
@@ -284,6 +286,9 @@ def test_default_rows_put_the_reference_first_and_fp8_last_or_leave_fp8_out(benc
     (["--model", "tiny-hunyuanvideo", "--height", "64", "--width", "64", "--frames", "5", "--decode"],
      "tiny-hunyuanvideo is built without a VAE"),
     (["--device", "tpu"], "--device='tpu'"),
+    (["--rows", "default,fsattn", "--fp8-conditioning"], "--fp8-conditioning: none of the rows"),
+    (["--inductor-options", "[1]"], "--inductor-options='[1]': expected a JSON object"),
+    (["--inductor-options", "{}", "--compile-mode", "max-autotune"], "one of mode and options, not both"),
 ])
 def test_bad_arguments_name_the_argument_and_what_is_accepted(bench, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
