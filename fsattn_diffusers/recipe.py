@@ -32,9 +32,11 @@ Four parts, each switchable, applied in this order:
      cross-attention as well took the lowest per-frame PSNR against bf16 from 37.2 to 33.6 dB
      (with fsattn and compilation too: from 34.2 to 33.1 dB).
      They cost time where the video side is large: Wan's cross-attention Q and output
-     projections are 11 % of the blocks' linear FLOPs at 1.3B and 17 % at 14B, where the recipe
-     took 7.39 s a forward with them in bf16 against 7.21 s with them in FP8 (two sessions;
-     diffusers' default 12.29 / 12.33 s). ``fp8_conditioning=True`` puts them in FP8 as well.
+     projections are 11 % of the blocks' linear FLOPs at 1.3B and 17 % at 14B. At 14B the recipe
+     took 7.39 s a forward with them in bf16 (and coordinate-descent tuning, part 4) against
+     7.21 s with them in FP8 (no tuning), in two sessions whose default took 12.29 and 12.33 s;
+     at 1.3B the difference was within the run-to-run spread. ``fp8_conditioning=True`` puts
+     them in FP8 as well.
    * layers whose sizes are not multiples of 16 (``torch._scaled_mm`` needs them; torchao
      would skip them silently).
 
@@ -45,14 +47,13 @@ Four parts, each switchable, applied in this order:
    names in ``_repeated_blocks``: one graph per block class, shared by all its blocks, fsattn's
    custom op inside, no graph break allowed); models without ``_repeated_blocks`` get each block
    of their block lists compiled the same way, and blocks carrying diffusers hooks stay eager
-   (context parallelism's, below). With inductor (torch.compile's default backend) and neither
-   ``mode`` nor ``options`` in ``compile_options``, these regions are compiled with
-   ``options=DEFAULT_INDUCTOR_OPTIONS``: coordinate-descent tuning of inductor's own kernels
-   (the norms, and the FP8 scaling of the activations that torchao's linear layers fuse into
-   them). On Wan2.1-1.3B it shortened the FFN's GELU-and-scale kernel by 15 % and the forward
-   by 1.8-2.4 %, with the first call as long as without it (about 30 s, cold). It is passed
-   per compile, not set process-wide: torchao's ``set_inductor_config`` is left off, because it
-   would switch the tuning on for every later compile in the process.
+   (context parallelism's, below). Inductor's own options are left at their defaults, and
+   torchao's ``set_inductor_config`` is off (it would switch on coordinate-descent tuning for
+   every later compile in the process). That tuning, asked for per compile
+   (``compile_options={"options": {"coordinate_descent_tuning": True}}``), shortened a
+   Wan2.1-1.3B forward by 1.8-2.4 % (the FFN's GELU-and-FP8-scaling kernel by 15 %) and made
+   the first call about 30 s longer in a fresh process (51 s against ~20 s): it pays only
+   where torch's on-disk caches carry the tuned kernels to later processes.
 
 What can be undone (:func:`remove_recipe`): compilation (``nn.Module.compile`` sets
 ``_compiled_call_impl``; it is reset), fsattn, and the fusion (processors put back, fused layers
@@ -101,9 +102,6 @@ _FUSED_LAYERS = {
     "to_added_kv": ("add_k_proj", "add_v_proj"),
 }
 _FP8_MIN_CAPABILITY = (8, 9)  # FP8 e4m3 tensor cores arrived with Ada (sm_89)
-# torch.compile options= of the compiled regions when the caller names neither mode nor options
-# (module docstring, part 4).
-DEFAULT_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
 
 
 @dataclass
@@ -420,13 +418,6 @@ def _compile_regions(model) -> tuple[list[tuple[str, torch.nn.Module]], list[str
     return [(path, m) for path, m in regions if path not in hooked], hooked
 
 
-def _with_default_options(compile_options: dict) -> dict:
-    """`compile_options` with DEFAULT_INDUCTOR_OPTIONS where inductor compiles and the caller set neither mode nor options."""
-    if compile_options.get("backend", "inductor") != "inductor" or {"mode", "options"} & set(compile_options):
-        return compile_options
-    return {**compile_options, "options": dict(DEFAULT_INDUCTOR_OPTIONS)}
-
-
 def _compile(model, state: _RecipeState, dynamic, compile_options: dict) -> None:
     regions, hooked = _compile_regions(model)
     for _, module in regions:
@@ -508,10 +499,8 @@ def apply_recipe(pipe_or_model, *, fsattn: bool = True, fsattn_options: dict | N
         (two graphs per block class). False: one graph per shape, up to torch._dynamo's
         ``recompile_limit`` (8). True: dynamic from the start.
     compile_options : dict or None
-        More ``torch.compile`` arguments (``backend``, ``mode``, ``options``). With inductor and
-        neither ``mode`` nor ``options`` given, ``options=DEFAULT_INDUCTOR_OPTIONS``
-        (coordinate-descent tuning, module docstring); ``options={}`` compiles with inductor's
-        own defaults.
+        More ``torch.compile`` arguments (``backend``, ``mode``, ``options``; module docstring
+        on coordinate-descent tuning).
 
     Returns
     -------
@@ -539,7 +528,7 @@ def apply_recipe(pipe_or_model, *, fsattn: bool = True, fsattn_options: dict | N
             if fp8_linear:
                 _quantize(model, state, fp8_config)
             if compile:
-                _compile(model, state, dynamic, _with_default_options(compile_options or {}))
+                _compile(model, state, dynamic, compile_options or {})
     except BaseException:
         _undo(pipe_or_model, states)
         raise

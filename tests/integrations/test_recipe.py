@@ -376,24 +376,13 @@ def test_wan22_pipeline_gets_the_recipe_on_both_transformers():
     assert recipe_summary(pipe) == {"transformer": None, "transformer_2": None}
 
 
-@pytest.mark.parametrize("given, passed", [
-    (None, {"options": recipe.DEFAULT_INDUCTOR_OPTIONS}),
-    ({"backend": "inductor"}, {"backend": "inductor", "options": recipe.DEFAULT_INDUCTOR_OPTIONS}),
-    ({"options": {}}, {"options": {}}),  # the caller's options, even empty, replace the default
-    ({"mode": "max-autotune-no-cudagraphs"}, {"mode": "max-autotune-no-cudagraphs"}),  # torch.compile takes one
-    (EAGER, EAGER),  # options are inductor's
-])
-def test_inductor_gets_the_default_options_unless_the_caller_names_mode_or_options(monkeypatch, given, passed):
-    assert recipe.DEFAULT_INDUCTOR_OPTIONS == {"coordinate_descent_tuning": True}
+@pytest.mark.parametrize("given", [None, {"options": {"coordinate_descent_tuning": True}}, EAGER])
+def test_compile_options_reach_torch_compile_as_given(monkeypatch, given):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
     model, _ = BUILDERS["wan_t2v"]()
-    apply_recipe(model, fsattn=False, fp8_linear=False, compile_options=given)
-    assert len(seen) == len(model.blocks)
-    for kwargs in seen:
-        assert kwargs.pop("fullgraph") is True
-        kwargs.pop("dynamic")
-        assert kwargs == passed
+    apply_recipe(model, fsattn=False, fp8_linear=False, compile_options=given, dynamic=False)
+    assert seen == [dict(given or {}, fullgraph=True, dynamic=False)] * len(model.blocks)
 
 
 # ----------------------------------------------------------------------------- context parallelism
