@@ -14,7 +14,8 @@ prints the time per step and in total, the attention backend, fsattn's speculati
 fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
 
 The recipe's parts (``fsattn_diffusers.apply_recipe``) are flags: ``--fuse-qkv``, ``--fp8-linear``
-(torchao float8 linear layers; a CUDA GPU of compute capability 8.9+ and bf16), ``--compile``
+(torchao float8 linear layers; a CUDA GPU of compute capability 8.9+ and bf16;
+``--fp8-conditioning`` puts the cross-attention in FP8 too), ``--compile``
 (regional, ``fullgraph=True``), or ``--recipe`` for all of them with fsattn. Whatever the run
 needs after the denoising loop (a video writer) is checked before the model is loaded.
 
@@ -110,6 +111,9 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8-linear", action="store_true",
                         help="the blocks' linear layers in FP8 e4m3, per-row scales (torchao; bf16 model, CUDA GPU of "
                              "compute capability 8.9+); replaces the weights")
+    parser.add_argument("--fp8-conditioning", action="store_true",
+                        help="with --fp8-linear or --recipe: the cross-attention / text stream in FP8 too (faster on "
+                             "large videos; more error where guidance multiplies it)")
     parser.add_argument("--recipe", action="store_true",
                         help="the whole recipe: fsattn + --fuse-qkv + --fp8-linear + --compile")
     parser.add_argument("--dynamic", choices=sorted(_DYNAMIC), default="auto",
@@ -362,6 +366,7 @@ class RecipeParts:
 
     fuse_qkv: bool = False
     fp8_linear: bool = False
+    fp8_conditioning: bool = False
     compile: bool = False
     dynamic: bool | None = None
     compile_backend: str = "inductor"
@@ -373,14 +378,18 @@ class RecipeParts:
     def label(self) -> str:
         """``+fused-qkv+fp8+compile``-style suffix for tables ("" when no part is on)."""
         return "".join(f"+{name}" for name, on in (("fused-qkv", self.fuse_qkv), ("fp8", self.fp8_linear),
+                                                     ("fp8-conditioning", self.fp8_conditioning),
                                                      ("compile", self.compile)) if on)
 
 
 def recipe_parts(args) -> RecipeParts:
     """The parts the flags ask for (``--recipe``: all of them)."""
     every = args.recipe
+    if args.fp8_conditioning and not (every or args.fp8_linear):
+        raise SystemExit("--fp8-conditioning adds the cross-attention to --fp8-linear's layers; give --fp8-linear "
+                         "or --recipe too")
     return RecipeParts(fuse_qkv=every or args.fuse_qkv, fp8_linear=every or args.fp8_linear,
-                       compile=every or args.compile, dynamic=_DYNAMIC[args.dynamic],
+                       fp8_conditioning=args.fp8_conditioning, compile=every or args.compile, dynamic=_DYNAMIC[args.dynamic],
                        compile_backend=args.compile_backend)
 
 
@@ -410,7 +419,8 @@ def set_up(loaded: LoadedModel, backend: str, config: FSAttnConfig | None, skip:
     fsattn = backend == "fsattn"
     fsattn_diffusers.apply_recipe(
         loaded.pipe, fsattn=fsattn, fsattn_options=dict(config=config, **skip) if fsattn else None,
-        fuse_qkv=parts.fuse_qkv, fp8_linear=parts.fp8_linear, compile=parts.compile, dynamic=parts.dynamic,
+        fuse_qkv=parts.fuse_qkv, fp8_linear=parts.fp8_linear, fp8_conditioning=parts.fp8_conditioning,
+        compile=parts.compile, dynamic=parts.dynamic,
         compile_options={"backend": parts.compile_backend} if parts.compile else None)
     if fsattn:
         return f"fsattn ({describe_config(config)}{describe_skips(skip)})"

@@ -1,9 +1,11 @@
 """examples/generate_video.py end to end on the built-in `tiny` pipeline (CPU)."""
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -166,11 +168,25 @@ def test_recipe_parts_run_and_are_reported(generate_video, tmp_path):
 @pytest.mark.parametrize("args, match", [
     (["--recipe"], r"--fp8-linear \(also part of --recipe\): the transformer runs on cpu.*--fuse-qkv --compile"),
     (["--recipe", "--attention", "sdpa"], "--recipe runs fsattn"),
+    (["--fp8-conditioning", "--compile"], "--fp8-conditioning adds the cross-attention to --fp8-linear's layers"),
 ])
 def test_recipe_that_cannot_run_is_refused_before_loading(generate_video, monkeypatch, args, match):
     monkeypatch.setattr(generate_video, "load_model", lambda *a, **k: pytest.fail("loaded before the refusal"))
     with pytest.raises(SystemExit, match=match):
         generate_video.main([*SMALL, *args])
+
+
+def test_fp8_conditioning_reaches_apply_recipe(generate_video, monkeypatch):
+    seen = []
+    monkeypatch.setattr(generate_video.fsattn_diffusers, "apply_recipe", lambda pipe, **kwargs: seen.append(kwargs))
+    args = argparse.Namespace(recipe=True, fuse_qkv=False, fp8_linear=False, fp8_conditioning=True, compile=False,
+                              dynamic="auto", compile_backend="inductor")
+    parts = generate_video.recipe_parts(args)
+    assert parts.label() == "+fused-qkv+fp8+fp8-conditioning+compile"
+    loaded = types.SimpleNamespace(pipe=object())
+    monkeypatch.setattr(generate_video, "clear_attention", lambda loaded: None)
+    generate_video.set_up(loaded, "fsattn", None, {}, parts)
+    assert seen[0]["fp8_linear"] is True and seen[0]["fp8_conditioning"] is True
 
 
 def test_fp8_needs_bf16(generate_video, monkeypatch):
