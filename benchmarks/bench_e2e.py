@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the FP8 rows also put the cross-attention / text stream in FP8 (apply_recipe's "
                              "fp8_conditioning)")
     parser.add_argument("--inductor-options", default=None,
-                        help="torch.compile options= for the compiled rows, as JSON (e.g. '{\"triton.multi_kernel\": 1}'; "
-                             "'{}' for inductor's defaults); default: apply_recipe's own")
+                        help="torch.compile options= for the compiled rows, as JSON, e.g. "
+                             "'{\"coordinate_descent_tuning\": true}' (per compile, unlike the flag below)")
     parser.add_argument("--coordinate-descent-tuning", action="store_true",
                         help="turn on inductor's coordinate-descent tuning, as torchao's set_inductor_config does "
                              "(the recipe leaves it off): measures what it costs and gains")
