@@ -160,13 +160,15 @@ _CONDITIONING_SUBMODULES = ("ff_context",)
 
 
 def carries_conditioning(path: str, model) -> bool:
-    """Whether the layer at `path` (inside a block) is on the conditioning's own path into the video.
+    """Whether the layer at `path` (inside a block) belongs to a cross-attention or sees only conditioning tokens.
 
     True for every layer of a cross-attention module (:func:`is_cross_attention`: its Q, K, V
     and output projections, fused or not, and Wan I2V's image projections), for joint
     attention's added projections (``add_q_proj``, ..., ``to_add_out``) and for anything under
-    ``ff_context``. These are the only places where the text or image prompt enters the video
-    tokens, so whatever error they add is what classifier-free guidance multiplies.
+    ``ff_context``. In cross-attention models (Wan, LTX-Video) the prompt reaches the video
+    tokens only through the former, so the error made there is what classifier-free guidance
+    multiplies. Layers that joint attention shares between text and video tokens (CogVideoX's,
+    HunyuanVideo's single-stream blocks, the video side's own projections) are not included.
     """
     parts = path.split(".")
     if parts[-1] in _CONDITIONING_LINEARS or any(p in _CONDITIONING_SUBMODULES for p in parts[:-1]):

@@ -94,6 +94,11 @@ WAN_T2V = _wan_block(0) + _wan_block(1)
 HUNYUAN = [f"transformer_blocks.0.{n}" for n in (
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")] + [
     f"single_transformer_blocks.0.{n}" for n in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")]
+LTX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")]
+# The tiny Mochi's feed-forward hidden sizes (170 for video, 42 for text) are not multiples of 16,
+# and its text stream (add_*_proj, to_add_out) is the conditioning's path.
+MOCHI = [f"transformer_blocks.{i}.attn1.{p}" for i in (0, 1) for p in ("to_q", "to_k", "to_v", "to_out.0")]
 COGVIDEOX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
     "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")]
 
@@ -105,6 +110,8 @@ COGVIDEOX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
     ("wan_i2v", WAN_T2V),
     ("hunyuan_video", HUNYUAN),
     ("cogvideox", COGVIDEOX),
+    ("ltx_video", LTX),
+    ("mochi", MOCHI),
 ])
 def test_fp8_selection_is_the_block_linears_without_the_modulation(family, expected):
     model, _ = BUILDERS[family]()
@@ -123,6 +130,14 @@ def test_fp8_conditioning_adds_the_cross_attention_and_the_text_stream():
         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context.net.0.proj",
         "ff_context.net.2")]
     assert sorted(fp8_linear_names(hunyuan, fp8_conditioning=True)["model"]) == sorted(HUNYUAN + text_stream)
+    ltx, _ = BUILDERS["ltx_video"]()
+    cross = [f"transformer_blocks.{i}.attn2.{p}" for i in (0, 1) for p in ("to_q", "to_k", "to_v", "to_out.0")]
+    assert sorted(fp8_linear_names(ltx, fp8_conditioning=True)["model"]) == sorted(LTX + cross)
+    mochi, _ = BUILDERS["mochi"]()
+    # Mochi's last block keeps no text output (context_pre_only): no to_add_out there.
+    text = [f"transformer_blocks.{i}.attn1.add_{p}_proj" for i in (0, 1) for p in "qkv"]
+    text += ["transformer_blocks.0.attn1.to_add_out"]
+    assert sorted(fp8_linear_names(mochi, fp8_conditioning=True)["model"]) == sorted(MOCHI + text)
 
 
 def test_fp8_selection_covers_both_transformers_of_wan22():
