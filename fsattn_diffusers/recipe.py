@@ -488,10 +488,9 @@ def apply_recipe(pipe_or_model, *, fsattn: bool = True, fsattn_options: dict | N
     fp8_conditioning : bool
         Also put the layers on the conditioning's path (cross-attention, joint attention's text
         stream; module docstring) in FP8: at Wan2.1-14B 7.21 s a forward against 7.39 s (two
-        sessions, not one process), and the error that
-        classifier-free guidance multiplies grows (Wan2.1-1.3B with guidance 5: the lowest
-        per-frame PSNR against bf16 fell by 3.6 dB with FP8 alone, by 1.1 dB in the whole
-        recipe). Default False.
+        sessions, not one process), and the error that classifier-free guidance multiplies
+        grows (Wan2.1-1.3B with guidance 5: the lowest per-frame PSNR against bf16 fell by
+        3.6 dB with FP8 alone, by 1.1 dB in the whole recipe). Default False.
     keep_original_weights : bool
         Keep the bf16 weights that FP8 replaces, so that :func:`remove_recipe` puts them back
         (their memory stays in use). Default False: FP8 is then not undone.
