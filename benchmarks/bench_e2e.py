@@ -80,6 +80,8 @@ ATTENTION_OP = re.compile(r"^(fsattn::attention|aten::_?(scaled_dot_product\w*|f
 # memory-efficient path (fmha) and cuDNN (its fused kernels carry "sdpa" or "flash" in the name).
 ATTENTION_KERNEL = re.compile(r"_fsattn_|_quantize_(q|kv)_kernel|flash|fmha|sdpa|attention", re.IGNORECASE)
 
+TOP_KERNELS = 20  # kernels listed by device time in a profiled row
+
 CPU_TIMING_NOTE = ("CPU run: fsattn runs a PyTorch emulation of the GPU kernel's numerics here, so these times say "
                    "nothing about GPU speed; the fidelity figures do stand for the GPU kernel.")
 
@@ -436,8 +438,9 @@ def attention_share(prof, device: torch.device, wall_seconds: float, steps: int)
     On a GPU: the device time of the attention kernels (by name, ``ATTENTION_KERNEL``) over the
     device time of every kernel; the outermost attention ops (``ATTENTION_OP``) tell self- from
     cross-attention by their input shapes, and their ``device_time_total`` is kept as a
-    cross-check only (on torch 2.11 it overcounts: SDPA at 101 % of a step on the H200). On a
-    CPU: the ops' CPU time over the wall time.
+    cross-check only (on torch 2.11 it overcounts: SDPA at 101 % of a step on the H200). Also
+    the kernels that took the most device time (``top_kernels``: name, launches and seconds per
+    step), which says where the rest of the step goes. On a CPU: the ops' CPU time over the wall time.
     """
     events = prof.events()
     on_gpu = device.type == "cuda"
@@ -461,10 +464,18 @@ def attention_share(prof, device: torch.device, wall_seconds: float, steps: int)
                    and "annotation" not in str(getattr(ev, "activity_type", None) or "")]
         device_total = sum(ev.time_range.elapsed_us() for ev in kernels) / 1e6
         by_name = sum(ev.time_range.elapsed_us() for ev in kernels if ATTENTION_KERNEL.search(ev.name)) / 1e6
+        per_kernel: dict[str, list] = {}
+        for ev in kernels:
+            entry = per_kernel.setdefault(ev.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += ev.time_range.elapsed_us() / 1e6
+        top = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
         result.update(
             method="device time of attention kernels / device time of all kernels; by_kind: the ops' "
                    "device_time_total (overcounts on torch 2.11)",
             device_seconds_per_step=device_total / steps, attention_seconds_per_step=by_name / steps,
+            top_kernels=[{"name": name, "launches_per_step": n / steps, "seconds_per_step": seconds / steps}
+                         for name, (n, seconds) in top],
             attention_share=by_name / device_total if device_total else None,
             op_device_time_crosscheck={"attention_seconds_per_step": total_attention / steps,
                                        "attention_share": total_attention / device_total if device_total else None})
@@ -660,7 +671,8 @@ def print_report(report: dict) -> None:
     machine = report["environment"]["gpu"] or report["environment"]["device"]
     print(f"\n== bench_e2e: {cfg['model']} {cfg['height']}x{cfg['width']}, {cfg['frames']} frames "
           f"({cfg['video_tokens']} tokens), {cfg['steps']} steps, on {machine} ==")
-    head = ("row", "first call s", "forward s", "step s", "speed-up", "peak GiB", "out cos", "latents cos", "PSNR dB")
+    head = ("row", "first call s", "forward s", "step s", "speed-up", "peak GiB", "out cos", "latents cos",
+            "PSNR dB mean / lowest frame")
     lines = [head]
     for r in report["rows"]:
         if r.get("skipped"):
@@ -668,13 +680,20 @@ def print_report(report: dict) -> None:
             continue
         q = r.get("quality") or {}
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        psnr = q.get("psnr_db_summary") or {}
         lines.append((r["row"], fmt(r["first_call_seconds"], ".1f"), fmt(r.get("forward_seconds_median"), ".3f"),
                       fmt(r.get("step_seconds_median"), ".3f"), fmt(r.get("speedup_per_step"), ".3f"),
                       _gib(r.get("peak_memory_bytes")), fmt(q.get("output_cosine"), ".6f"),
-                      fmt(q.get("latents_cosine"), ".6f"), fmt((q.get("psnr_db_summary") or {}).get("mean"), ".1f")))
+                      fmt(q.get("latents_cosine"), ".6f"),
+                      f"{fmt(psnr.get('mean'), '.1f')} / {fmt(psnr.get('min'), '.1f')}" if psnr else "-"))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(f"{str(c):<{w}}" for c, w in zip(line, widths)).rstrip())
+    for r in report["rows"]:
+        top = (r.get("attention") or {}).get("top_kernels")
+        if top:
+            print(f"{r['row']}: most device time per step: " + "; ".join(
+                f"{k['seconds_per_step'] * 1e3:.1f} ms {k['name'][:60]} (x{k['launches_per_step']:g})" for k in top[:5]))
     for line in report["warnings"]:
         print("WARNING: " + line)
     for note in (report["note"], report["timing_note"]):

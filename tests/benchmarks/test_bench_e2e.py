@@ -395,6 +395,24 @@ def test_gpu_attention_share_counts_nested_kernels_once_and_skips_annotations(be
     assert share["op_device_time_crosscheck"]["attention_share"] == pytest.approx(0.3)
     assert share["by_kind"] == {"self": {"seconds_per_step": pytest.approx(300e-6), "calls_per_step": 1.0,
                                          "ops": ["aten::scaled_dot_product_attention"]}}
+    assert [(k["name"], k["launches_per_step"], k["seconds_per_step"]) for k in share["top_kernels"]] == [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 1.0, pytest.approx(700e-6)),
+        ("cudnn_generated_fort_native_sdpa_sm90_kernel", 1.0, pytest.approx(300e-6))]
+
+
+def test_report_prints_the_lowest_frame_and_the_top_kernels(bench, capsys):
+    row = {"row": "recipe", "first_call_seconds": 20.0, "forward_seconds_median": 0.37, "step_seconds_median": 0.74,
+           "speedup_per_step": 1.7, "peak_memory_bytes": None,
+           "quality": {"output_cosine": 0.9998, "latents_cosine": 0.999, "psnr_db_summary": {"mean": 35.64, "min": 34.19}},
+           "attention": {"top_kernels": [{"name": "_fsattn_fwd_gluon_ws_kernel", "launches_per_step": 30.0,
+                                          "seconds_per_step": 0.2252}]}}
+    report = {"config": {"model": "m", "height": 1, "width": 1, "frames": 1, "video_tokens": 1, "steps": 1},
+              "environment": {"gpu": "G", "device": "cuda"}, "rows": [row], "warnings": [], "note": None,
+              "timing_note": None}
+    bench.print_report(report)
+    out = capsys.readouterr().out
+    assert "35.6 / 34.2" in out
+    assert "recipe: most device time per step: 225.2 ms _fsattn_fwd_gluon_ws_kernel (x30)" in out
 
 
 def test_json_drops_tensors_and_non_finite_literals(bench):
