@@ -18,10 +18,13 @@ Rows (``--rows``, comma-separated; each an attention, then parts joined by ``+``
 ``recipe``                  ``fsattn+fuse+fp8+compile``: ``fsattn_diffusers.apply_recipe`` as it defaults
 =========================== ==============================================================
 
-Any other combination of ``fuse``, ``fp8`` and ``compile`` after ``default`` or ``fsattn`` works
-too (e.g. ``fsattn+fp8+compile`` isolates the fusion). One model build serves every row. FP8
-replaces the weights, so rows run in the order given except that ``default`` goes first and FP8
-rows last; FP8 rows share the quantized weights (a later FP8 row quantizes nothing more).
+Any other combination of ``fuse``, ``fp8`` (or ``fp8c``) and ``compile`` after ``default`` or
+``fsattn`` works too (e.g. ``fsattn+fp8+compile`` isolates the fusion; ``fsattn+fuse+fp8c+compile``
+is the recipe with ``fp8_conditioning=True``: the cross-attention / text stream in FP8 as well).
+One model build serves every row. FP8 replaces the weights, so rows run in the order given except
+that ``default`` goes first, then the bf16 rows, the ``fp8`` rows and the ``fp8c`` rows; FP8 rows
+share the quantized weights (a later ``fp8`` row quantizes nothing more, an ``fp8c`` row only the
+conditioning's layers).
 
 Per row: one first call (a transformer forward on the first step's inputs, wall time: it carries
 compilation, autotuning and Triton's JIT; ``torch._dynamo.reset()`` before it, so each row
@@ -69,7 +72,7 @@ from fsattn_diffusers import builtin_models, metrics
 MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "hunyuanvideo", "tiny", "tiny-hunyuanvideo")
 DEFAULT_ROWS = ("default", "default+compile", "default+fuse+fp8+compile", "fsattn", "fsattn+compile", "recipe")
 ALIASES = {"recipe": "fsattn+fuse+fp8+compile"}
-PARTS = ("fuse", "fp8", "compile")
+PARTS = ("fuse", "fp8", "fp8c", "compile")  # fp8c: fp8 with the conditioning's path (apply_recipe's fp8_conditioning)
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: prompt embeddings are always padded to it
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -94,6 +97,7 @@ class Row:
     fsattn: bool
     fuse: bool = False
     fp8: bool = False
+    fp8_conditioning: bool = False
     compile: bool = False
 
     @property
@@ -105,21 +109,24 @@ class Row:
 def parse_row(text: str) -> Row:
     tokens = ALIASES.get(text, text).split("+")
     bad = [t for t in tokens[1:] if t not in PARTS] + ([] if tokens[0] in ("default", "fsattn") else [tokens[0]])
-    if bad or len(set(tokens)) != len(tokens):
+    if bad or len(set(tokens)) != len(tokens) or {"fp8", "fp8c"} <= set(tokens):
         raise argparse.ArgumentTypeError(
-            f"row {text!r}: expected 'default' or 'fsattn', then parts from {', '.join(PARTS)} joined by '+' "
-            f"(e.g. fsattn+fp8+compile), or an alias ({', '.join(ALIASES)})")
-    return Row(text, tokens[0] == "fsattn", *(part in tokens[1:] for part in PARTS))
+            f"row {text!r}: expected 'default' or 'fsattn', then parts from {', '.join(PARTS)} (fp8 or fp8c, not "
+            f"both) joined by '+' (e.g. fsattn+fp8+compile), or an alias ({', '.join(ALIASES)})")
+    parts = tokens[1:]
+    return Row(text, tokens[0] == "fsattn", fuse="fuse" in parts, fp8="fp8" in parts or "fp8c" in parts,
+               fp8_conditioning="fp8c" in parts, compile="compile" in parts)
 
 
 def _rows(text: str) -> tuple[Row, ...]:
     rows = tuple(parse_row(t.strip()) for t in text.split(",") if t.strip())
-    names = [(r.fsattn, r.fuse, r.fp8, r.compile) for r in rows]
+    names = [(r.fsattn, r.fuse, r.fp8, r.fp8_conditioning, r.compile) for r in rows]
     if not rows or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"--rows={text!r}: expected a comma-separated list of distinct rows")
-    # FP8 replaces the weights: every bf16 row first, in the order given; the reference row (the
-    # first plain "default") before them all.
-    ordered = [r for r in rows if not r.fp8] + [r for r in rows if r.fp8]
+    # FP8 replaces the weights: every bf16 row first, in the order given, then the FP8 rows, those
+    # with the conditioning's layers last; the reference row (the first plain "default") before them all.
+    ordered = ([r for r in rows if not r.fp8] + [r for r in rows if r.fp8 and not r.fp8_conditioning]
+               + [r for r in rows if r.fp8_conditioning])
     plain = [r for r in ordered if not r.fsattn and not r.recipe]
     if plain:
         ordered.remove(plain[0])
@@ -165,9 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch.compile's dynamic for compiled rows (auto: torch's default)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (tests use eager)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
-    parser.add_argument("--fp8-conditioning", action="store_true",
-                        help="the FP8 rows also put the cross-attention / text stream in FP8 (apply_recipe's "
-                             "fp8_conditioning)")
     parser.add_argument("--inductor-options", default=None,
                         help="torch.compile options= for the compiled rows, as JSON, e.g. "
                              "'{\"coordinate_descent_tuning\": true}' (per compile, unlike the flag below)")
@@ -212,7 +216,6 @@ class Settings:
     dynamic: bool | None
     compile_backend: str
     compile_mode: str | None
-    fp8_conditioning: bool
     inductor_options: dict | None
     coordinate_descent_tuning: bool
     cache_dir: str | None
@@ -271,8 +274,6 @@ def resolve_settings(parser, args) -> tuple[Settings, list[Row], torch.device, t
         except (json.JSONDecodeError, TypeError, ValueError) as exc:
             parser.error(f"--fsattn-config={args.fsattn_config!r}: expected a JSON object of FSAttnConfig fields "
                          f"({exc})")
-    if args.fp8_conditioning and not any(r.fp8 for r in rows):
-        parser.error(f"--fp8-conditioning: none of the rows {[r.name for r in rows]} has fp8")
     inductor_options = None
     if args.inductor_options is not None:
         try:
@@ -298,7 +299,7 @@ def resolve_settings(parser, args) -> tuple[Settings, list[Row], torch.device, t
         guidance_scale=spec.guidance_scale if args.guidance_scale is None else args.guidance_scale,
         baseline_backend=args.baseline_backend, fsattn_config=fsattn_config,
         dynamic={"auto": None, "true": True, "false": False}[args.dynamic], compile_backend=args.compile_backend,
-        compile_mode=args.compile_mode, fp8_conditioning=args.fp8_conditioning, inductor_options=inductor_options,
+        compile_mode=args.compile_mode, inductor_options=inductor_options,
         coordinate_descent_tuning=args.coordinate_descent_tuning,
         cache_dir=args.cache_dir, decode=decode and not args.first_call_only, profile=args.profile,
         budget_s=args.budget_s, seed=args.seed, device=str(device), dtype=str(dtype).replace("torch.", ""))
@@ -508,13 +509,14 @@ def set_up_row(row: Row, transformer, settings: Settings, default_backend: str) 
             options["options"] = dict(settings.inductor_options)
         fsattn_diffusers.apply_recipe(
             transformer, fsattn=row.fsattn, fsattn_options={"config": config} if row.fsattn else None,
-            fuse_qkv=row.fuse, fp8_linear=row.fp8, fp8_conditioning=row.fp8 and settings.fp8_conditioning,
+            fuse_qkv=row.fuse, fp8_linear=row.fp8, fp8_conditioning=row.fp8_conditioning,
             compile=row.compile, dynamic=settings.dynamic,
             compile_options=options if row.compile else None)
     elif row.fsattn:
         fsattn_diffusers.apply_fsattn(transformer, config=config)
     attention = "fsattn" if row.fsattn else f"diffusers attention backend {backend!r}"
-    parts = [p for p, on in (("fused QKV", row.fuse), ("FP8 linear", row.fp8), ("compiled", row.compile)) if on]
+    fp8 = "FP8 linear, cross-attention too" if row.fp8_conditioning else "FP8 linear"
+    parts = [p for p, on in (("fused QKV", row.fuse), (fp8, row.fp8), ("compiled", row.compile)) if on]
     return attention + (" + " + " + ".join(parts) if parts else "")
 
 

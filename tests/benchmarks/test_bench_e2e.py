@@ -141,10 +141,7 @@ def test_attention_share_is_profiled_per_row(cli_report):
 
 # ----------------------------------------------------------------------------- FP8 rows
 
-# 12 block linears (the cross-attention stays bf16) and the 2 fused self-attention QKV projections;
-# with --fp8-conditioning also the cross-attention's 8 and its 2 fused K/V projections.
-@pytest.mark.parametrize("flags, first, layers", [([], 14, 12), (["--fp8-conditioning"], 24, 20)])
-def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_path, flags, first, layers):
+def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_path):
     # torchao's float8 GEMMs on the CPU through torch's emulated _scaled_mm (tests/integrations/test_recipe.py).
     from fsattn_diffusers import recipe
 
@@ -153,16 +150,21 @@ def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_p
         pytest.skip("this torchao checks FP8 hardware some other way; the CPU stand-in does not apply")
     monkeypatch.setattr(inference, "is_MI300", lambda: True)
     monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)
-    report = bench.main([*SMALL, "--dtype", "bf16", "--rows", "recipe,fsattn+fp8+compile,default", "--steps", "1",
-                         "--no-decode", "--out", str(tmp_path / "fp8.json"), *flags])
+    report = bench.main([*SMALL, "--dtype", "bf16", "--rows", "fsattn+fuse+fp8c+compile,recipe,fsattn+fp8+compile,default",
+                         "--steps", "1", "--no-decode", "--out", str(tmp_path / "fp8.json")])
     rows = {r["row"]: r for r in report["rows"]}
-    assert [r["row"] for r in report["rows"]] == ["default", "recipe", "fsattn+fp8+compile"]
-    # The second FP8 row finds the block linears (unfused again) quantized, and runs them.
-    assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": first,
-                                        "fp8_linear_layers_quantized_here": first, "compiled_modules": 2}
+    assert [r["row"] for r in report["rows"]] == ["default", "recipe", "fsattn+fp8+compile", "fsattn+fuse+fp8c+compile"]
+    # 12 block linears (the cross-attention stays bf16) and the 2 fused self-attention QKV
+    # projections; the second FP8 row finds the 12 (unfused again) quantized, and runs them; the
+    # fp8c row quantizes the cross-attention's 8 and its 2 fused K/V projections (the QKV fused
+    # again from FP8 projections is FP8 already).
+    assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": 14,
+                                        "fp8_linear_layers_quantized_here": 14, "compiled_modules": 2}
     assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 0
-    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == layers
-    for name in ("recipe", "fsattn+fp8+compile"):
+    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == 12
+    assert rows["fsattn+fuse+fp8c+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 8 + 2
+    assert rows["fsattn+fuse+fp8c+compile"]["recipe"]["fp8_linear_layers"] == 12 + 8 + 2 + 2
+    for name in ("recipe", "fsattn+fp8+compile", "fsattn+fuse+fp8c+compile"):
         assert rows[name]["dynamo"]["graph_breaks"] == 0 and rows[name]["dynamo"]["stats.unique_graphs"] == 1
         assert 0.99 < rows[name]["quality"]["output_cosine"] < 1.0
     assert _strict_json(tmp_path / "fp8.json")["rows"][1]["row"] == "recipe"
@@ -252,14 +254,15 @@ def test_a_second_process_reuses_the_first_ones_compiled_artefacts(tmp_path):
 # ----------------------------------------------------------------------------- rows and arguments
 
 @pytest.mark.parametrize("text, parts", [
-    ("default", (False, False, False, False)),
-    ("default+fuse+fp8+compile", (False, True, True, True)),
-    ("recipe", (True, True, True, True)),
-    ("fsattn+compile+fp8", (True, False, True, True)),
+    ("default", (False, False, False, False, False)),
+    ("default+fuse+fp8+compile", (False, True, True, False, True)),
+    ("recipe", (True, True, True, False, True)),
+    ("fsattn+compile+fp8", (True, False, True, False, True)),
+    ("fsattn+fuse+fp8c+compile", (True, True, True, True, True)),
 ])
 def test_rows_parse_into_attention_and_parts(bench, text, parts):
     row = bench.parse_row(text)
-    assert row.name == text and (row.fsattn, row.fuse, row.fp8, row.compile) == parts
+    assert row.name == text and (row.fsattn, row.fuse, row.fp8, row.fp8_conditioning, row.compile) == parts
 
 
 def test_default_rows_put_the_reference_first_and_fp8_last_or_leave_fp8_out(bench, capsys):
@@ -286,7 +289,7 @@ def test_default_rows_put_the_reference_first_and_fp8_last_or_leave_fp8_out(benc
     (["--model", "tiny-hunyuanvideo", "--height", "64", "--width", "64", "--frames", "5", "--decode"],
      "tiny-hunyuanvideo is built without a VAE"),
     (["--device", "tpu"], "--device='tpu'"),
-    (["--rows", "default,fsattn", "--fp8-conditioning"], "--fp8-conditioning: none of the rows"),
+    (["--rows", "fsattn+fp8+fp8c"], "fp8 or fp8c, not both"),
     (["--inductor-options", "[1]"], "--inductor-options='[1]': expected a JSON object"),
     (["--inductor-options", "{}", "--compile-mode", "max-autotune"], "one of mode and options, not both"),
 ])
