@@ -71,7 +71,9 @@ class Family:
 _AP = "diffusers.models.attention_processor"
 
 FAMILIES = (
-    Family("wan", ("WanTransformer3DModel", "WanVACETransformer3DModel"), ("blocks",), cross_attention=("attn2",)),
+    Family("wan", ("WanTransformer3DModel",), ("blocks",), cross_attention=("attn2",)),
+    # VACE runs its control blocks first, then the main blocks (adding the control hints).
+    Family("wan_vace", ("WanVACETransformer3DModel",), ("vace_blocks", "blocks"), cross_attention=("attn2",)),
     Family(
         "hunyuan_video",
         ("HunyuanVideoTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel"),

@@ -168,7 +168,7 @@ def apply_fsattn(pipe_or_model, *, config: FSAttnConfig | None = None, skip_firs
     skip_blocks : iterable of int
         Indices of transformer blocks that keep the original attention, counted through the
         model's block lists in the order its forward runs them (HunyuanVideo: double-stream
-        blocks, then single-stream blocks).
+        blocks, then single-stream blocks; Wan VACE: the control blocks, then the main blocks).
     self_attention_only : bool
         Leave cross-attention (to text or image) on the original attention.
     strict : bool

@@ -135,9 +135,30 @@ def build_mochi(layers=2):
     return model, inputs
 
 
+def build_wan_vace(layers=2):
+    """Wan VACE: one control block (vace_layers=[0]) before the main blocks."""
+    from diffusers import WanVACETransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanVACETransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=layers, rope_max_seq_len=32, vace_layers=[0],
+        vace_in_channels=8,
+    ).eval()
+    g = _seeded()
+    inputs = dict(
+        hidden_states=torch.randn(2, 4, 3, 16, 16, generator=g),
+        timestep=torch.tensor([500, 500]),
+        encoder_hidden_states=torch.randn(2, 20, 32, generator=g),
+        control_hidden_states=torch.randn(2, 8, 3, 16, 16, generator=g),
+    )
+    return model, inputs
+
+
 BUILDERS = {
     "wan_t2v": build_wan,
     "wan_i2v": lambda: build_wan(image=True),
+    "wan_vace": build_wan_vace,
     "hunyuan_video": build_hunyuan_video,
     "cogvideox": build_cogvideox,
     "ltx_video": build_ltx_video,

@@ -22,6 +22,7 @@ from .conftest import BUILDERS, cosine, emulation_calls, make_peaky, run
 EXPECTED = {
     "wan_t2v": (4, {}),  # 2 blocks x (self, cross)
     "wan_i2v": (6, {}),  # 2 blocks x (self, text cross, image cross)
+    "wan_vace": (6, {}),  # (1 control block + 2 blocks) x (self, cross)
     # 1 double + 1 single joint block; the token refiner's pairwise text mask varies over queries.
     "hunyuan_video": (2, {"general_mask": 1}),
     "cogvideox": (2, {}),

@@ -65,6 +65,16 @@ def test_skip_blocks_counts_through_double_then_single_stream_blocks():
     assert kept == {"single_transformer_blocks.0.attn"}
 
 
+def test_skip_blocks_counts_wan_vace_control_blocks_first():
+    model, inputs = BUILDERS["wan_vace"]()  # blocks: vace_blocks[0] (runs first), blocks[0], blocks[1]
+    originals = _processors(model)
+    apply_fsattn(model, skip_blocks=(0, 2))
+    run(model, inputs)
+    assert emulation_calls() == 2  # blocks.0's self- and cross-attention
+    kept = {path for path, processor in _processors(model).items() if processor is originals[path]}
+    assert kept == {"vace_blocks.0.attn1", "vace_blocks.0.attn2", "blocks.1.attn1", "blocks.1.attn2"}
+
+
 def test_skip_blocks_out_of_range_is_rejected_with_the_valid_range():
     model, _ = BUILDERS["wan_t2v"]()
     with pytest.raises(ValueError, match=r"indices \[2\] outside WanTransformer3DModel's 2 blocks \(0..1\)"):

@@ -98,6 +98,10 @@ LTX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
     "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")]
 # The tiny Mochi's feed-forward hidden sizes (170 for video, 42 for text) are not multiples of 16,
 # and its text stream (add_*_proj, to_add_out) is the conditioning's path.
+# Wan VACE's control block (run first) gets FP8 like the main blocks, with its input and output projections.
+WAN_VACE = [f"vace_blocks.0.{n}" for n in (
+    "proj_in", "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ffn.net.0.proj", "ffn.net.2",
+    "proj_out")] + WAN_T2V
 MOCHI = [f"transformer_blocks.{i}.attn1.{p}" for i in (0, 1) for p in ("to_q", "to_k", "to_v", "to_out.0")]
 COGVIDEOX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
     "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")]
@@ -108,6 +112,7 @@ COGVIDEOX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
 @pytest.mark.parametrize("family, expected", [
     ("wan_t2v", WAN_T2V),
     ("wan_i2v", WAN_T2V),
+    ("wan_vace", WAN_VACE),
     ("hunyuan_video", HUNYUAN),
     ("cogvideox", COGVIDEOX),
     ("ltx_video", LTX),
