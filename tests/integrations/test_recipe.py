@@ -264,6 +264,29 @@ def test_lora_must_be_fused_into_the_weights_first():
     assert cosine(run(model, inputs), with_lora) > 0.99999
 
 
+def test_fp8_after_a_fused_lora_quantizes_the_weights_with_the_adapter(fp8_on_cpu):
+    from peft import LoraConfig
+
+    model, inputs = _bf16(*BUILDERS["wan_t2v"]())
+    base = model.blocks[0].attn1.to_q.weight.detach().float().clone()
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v"]))
+    model.fuse_lora()
+    model.unload_lora()
+    fused = model.blocks[0].attn1.to_q.weight.detach().float().clone()
+    with_lora = run(model, inputs)
+    apply_recipe(model, fuse_qkv=False, compile_options=EAGER)  # the supported order: LoRA fused, then FP8
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    weight = model.blocks[0].attn1.to_q.weight
+    assert type(weight).__module__.startswith("torchao.")
+    dequantized = weight.dequantize().float()
+    assert rel(fused, base) > 0.5  # the adapter moved the weight far beyond FP8's rounding
+    assert rel(dequantized, fused) < 0.05 < rel(dequantized, base)
+    assert cosine(run(model, inputs), with_lora) > 0.99
+
+
 # ----------------------------------------------------------------------------- attention, fusion, compilation for real
 
 # One graph per compiled block class, shared by all its blocks (HunyuanVideo: double- and single-stream
