@@ -463,13 +463,13 @@ def attention_share(prof, device: torch.device, wall_seconds: float, steps: int)
         kernels = [ev for ev in events if ev.device_type != torch.autograd.DeviceType.CPU
                    and not getattr(ev, "is_user_annotation", False)
                    and "annotation" not in str(getattr(ev, "activity_type", None) or "")]
-        device_total = sum(ev.time_range.elapsed_us() for ev in kernels) / 1e6
-        by_name = sum(ev.time_range.elapsed_us() for ev in kernels if ATTENTION_KERNEL.search(ev.name)) / 1e6
-        per_kernel: dict[str, list] = {}
+        per_kernel: dict[str, list] = {}  # name -> [launches, seconds]
         for ev in kernels:
             entry = per_kernel.setdefault(ev.name, [0, 0.0])
             entry[0] += 1
             entry[1] += ev.time_range.elapsed_us() / 1e6
+        device_total = sum(seconds for _, seconds in per_kernel.values())
+        by_name = sum(seconds for name, (_, seconds) in per_kernel.items() if ATTENTION_KERNEL.search(name))
         top = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
         result.update(
             method="device time of attention kernels / device time of all kernels; by_kind: the ops' "
@@ -695,7 +695,8 @@ def print_report(report: dict) -> None:
         top = (r.get("attention") or {}).get("top_kernels")
         if top:
             print(f"{r['row']}: most device time per step: " + "; ".join(
-                f"{k['seconds_per_step'] * 1e3:.1f} ms {k['name'][:60]} (x{k['launches_per_step']:g})" for k in top[:5]))
+                f"{k['seconds_per_step'] * 1e3:.1f} ms {k['name'][:60]} (x{k['launches_per_step']:g})"
+                for k in top[:5]))
     for line in report["warnings"]:
         print("WARNING: " + line)
     for note in (report["note"], report["timing_note"]):

@@ -8,9 +8,10 @@
 
 Each side is ``sdpa`` or ``fsattn`` with its own FSAttnConfig (JSON), so two fsattn
 configurations can be compared too. The recipe's parts (``fsattn_diffusers.apply_recipe``):
-``--compile`` compiles both sides; ``--fuse-qkv``, ``--fp8-linear`` (and ``--fp8-conditioning``) go to the candidate only
-(FP8 replaces the weights, so the candidate runs second); ``--recipe`` makes the candidate fsattn
-with every part, against the baseline as diffusers runs it. Written to ``--output-dir``:
+``--compile`` compiles both sides; ``--fuse-qkv``, ``--fp8-linear`` (and ``--fp8-conditioning``)
+go to the candidate only (FP8 replaces the weights, so the candidate runs second); ``--recipe``
+makes the candidate fsattn with every part, against the baseline as diffusers runs it. Written
+to ``--output-dir``:
 
 * ``side_by_side.mp4``: baseline | candidate | |candidate - baseline| x ``--diff-gain``;
 * ``metrics.png``: per-frame PSNR, SSIM (and LPIPS where its weights are on disk), where

@@ -112,8 +112,8 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
                         help="the blocks' linear layers in FP8 e4m3, per-row scales (torchao; bf16 model, CUDA GPU of "
                              "compute capability 8.9+); replaces the weights")
     parser.add_argument("--fp8-conditioning", action="store_true",
-                        help="with --fp8-linear or --recipe: the cross-attention / text stream in FP8 too (faster on "
-                             "large videos; more error where guidance multiplies it)")
+                        help="with --fp8-linear or --recipe: the cross-attention / text stream in FP8 too (less "
+                             "bf16 work; more of the error that guidance multiplies)")
     parser.add_argument("--recipe", action="store_true",
                         help="the whole recipe: fsattn + --fuse-qkv + --fp8-linear + --compile")
     parser.add_argument("--dynamic", choices=sorted(_DYNAMIC), default="auto",
@@ -389,8 +389,8 @@ def recipe_parts(args) -> RecipeParts:
         raise SystemExit("--fp8-conditioning adds the cross-attention to --fp8-linear's layers; give --fp8-linear "
                          "or --recipe too")
     return RecipeParts(fuse_qkv=every or args.fuse_qkv, fp8_linear=every or args.fp8_linear,
-                       fp8_conditioning=args.fp8_conditioning, compile=every or args.compile, dynamic=_DYNAMIC[args.dynamic],
-                       compile_backend=args.compile_backend)
+                       fp8_conditioning=args.fp8_conditioning, compile=every or args.compile,
+                       dynamic=_DYNAMIC[args.dynamic], compile_backend=args.compile_backend)
 
 
 def check_recipe_parts(parts: RecipeParts, device: torch.device, dtype: torch.dtype) -> None:

@@ -467,8 +467,7 @@ def _check_target(pipe_or_model, name, model, fuse_qkv, fp8_linear, fp8_conditio
 
 def apply_recipe(pipe_or_model, *, fsattn: bool = True, fsattn_options: dict | None = None, fuse_qkv: bool = True,
                  fp8_linear: bool = True, fp8_conditioning: bool = False, keep_original_weights: bool = False,
-                 compile: bool = True,
-                 dynamic: bool | None = None, compile_options: dict | None = None):
+                 compile: bool = True, dynamic: bool | None = None, compile_options: dict | None = None):
     """Fused QKV, fsattn, FP8 linear layers and regional compilation on a pipeline's transformer(s).
 
     Parameters
