@@ -205,12 +205,22 @@ def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_
     return builds
 
 
+def build_gelu_fp8(n_cols):
+    """The build of the recipe's feed-forward pass (kernels/gelu_fp8.py) for rows of `n_cols`."""
+    from fsattn_diffusers.kernels import gelu_fp8
+
+    with sm90_builds() as builds:
+        gelu_fp8.gelu_tanh_fp8_rows(torch.empty(64, n_cols, dtype=torch.bfloat16))
+    return builds
+
+
 def matrix_entries():
     """(name, build function) for each call the op makes on sm_90, at the configs it runs: the
     Triton kernel's variants at the launcher's tiles, the Gluon kernel at the same tiles, the
-    warp-specialised kernel at its stages with 128- and 64-key tiles, each at head dims 128 and 64.
-    The quantisation kernels are compiled by the calls that launch them. A new kernel or
-    configuration is one more entry here."""
+    warp-specialised kernel at its stages with 128- and 64-key tiles, each at head dims 128 and 64;
+    and the recipe's feed-forward pass at the hidden widths of Wan2.1-1.3B, HunyuanVideo /
+    CogVideoX and Wan2.1-14B. The quantisation kernels are compiled by the calls that launch them.
+    A new kernel or configuration is one more entry here."""
     entries = []
     for head_dim in (128, 64):
         entries += [(f"triton {name} d{head_dim}", functools.partial(build_triton, name, head_dim=head_dim))
@@ -221,6 +231,7 @@ def matrix_entries():
         entries += [(f"gluon_ws d{head_dim} n{block_n}", functools.partial(build_gluon_ws, head_dim=head_dim,
                                                                             block_n=block_n))
                     for block_n in (128, 64)]
+    entries += [(f"gelu_fp8 n{n_cols}", functools.partial(build_gelu_fp8, n_cols)) for n_cols in (8960, 12288, 13824)]
     return entries
 
 
