@@ -1,0 +1,205 @@
+"""The recipe's fused feed-forward (``fuse_ffn``): which feed-forwards it takes, the op's numbers,
+compilation, the way back.
+
+torchao's float8 runs on the CPU through ``fp8_on_cpu`` (tests/integrations/test_recipe.py): torch's
+CPU ``_scaled_mm`` computes the same float8 GEMMs. The op's GELU + scaling runs in PyTorch there,
+or with ``FSATTN_CPU_PATH=interpreter`` as the Triton kernel in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fsattn_diffusers import apply_recipe, fused_ffn, recipe, recipe_summary, remove_recipe
+
+from .conftest import BUILDERS, build_wan_pipeline, cosine, run
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    inference = pytest.importorskip("torchao.float8.inference")
+    if not hasattr(inference, "is_MI300"):
+        pytest.skip("this torchao checks FP8 hardware some other way; the CPU stand-in does not apply")
+    monkeypatch.setattr(inference, "is_MI300", lambda: True)
+    monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)
+
+
+def _bf16(family):
+    model, inputs = BUILDERS[family]()
+    model.to(torch.bfloat16)
+    return model, {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                   for k, v in inputs.items()}
+
+
+def _fp8_feed_forward(width=64, hidden=256, activation="gelu-approximate", device="cpu"):
+    """A diffusers FeedForward in bf16 with its down projection in torchao's per-row float8."""
+    from diffusers.models.attention import FeedForward
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    torch.manual_seed(0)
+    ff = FeedForward(width, inner_dim=hidden, activation_fn=activation).to(device, torch.bfloat16).eval()
+    quantize_(ff, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
+              filter_fn=lambda module, fqn: fqn == "net.2")
+    return ff
+
+
+def _independent_fp8_ffn(ff, x):
+    """down(gelu(up(x))) with the GELU's output quantized per row to e4m3, written from the definition
+    (float64 GELU rounded to bf16, float32 scale |max| / 448), dequantized and multiplied in float64."""
+    h = ff.net[0].proj(x).double()
+    y = (0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))).to(torch.bfloat16)
+    scale = (y.float().abs().amax(dim=-1, keepdim=True) / 448.0).double()
+    q = (y.double() / scale).clamp(-448, 448).to(FP8).double() * scale
+    weight = ff.net[2].weight
+    w = weight.qdata.double() * weight.scale.double()
+    return q @ w.t() + ff.net[2].bias.double()
+
+
+# ----------------------------------------------------------------------------- the op
+
+@pytest.mark.parametrize("cpu_path", ["emulation", "interpreter"])
+def test_fused_feed_forward_computes_the_fp8_feed_forward(fp8_on_cpu, monkeypatch, cpu_path):
+    monkeypatch.setenv("FSATTN_CPU_PATH", cpu_path)
+    ff = _fp8_feed_forward()
+    x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        unfused = ff(x)
+        assert fused_ffn.fuse_feed_forwards(ff) == [""]
+        fused = ff(x)
+        expected = _independent_fp8_ffn(ff, x)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (2, 7, 64)
+    # Against the definition: bf16 output rounding, rare rounding ties, float32 GEMM accumulation.
+    assert (fused.double() - expected).abs().max() <= 0.02 * expected.abs().max()
+    assert cosine(fused, expected) > 0.99999
+    # torchao's eager path rounds its activation scale to bf16 first: close, not equal.
+    assert cosine(fused, unfused) > 0.9999
+
+
+def test_kernel_and_cpu_emulation_give_the_same_fp8_rows(monkeypatch):
+    h = (torch.randn(5, 300, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    monkeypatch.setenv("FSATTN_CPU_PATH", "emulation")
+    q_torch, s_torch = fused_ffn.gelu_fp8_rows(h)
+    monkeypatch.setenv("FSATTN_CPU_PATH", "interpreter")
+    q_kernel, s_kernel = fused_ffn.gelu_fp8_rows(h)
+    torch.testing.assert_close(s_kernel, s_torch, rtol=2e-7, atol=0)
+    assert (q_kernel.float() == q_torch.float()).float().mean() >= 0.999
+
+
+def test_training_mode_runs_the_unfused_path(fp8_on_cpu):
+    ff = _fp8_feed_forward()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.no_grad():
+        unfused = ff(x)
+        fused_ffn.fuse_feed_forwards(ff)
+        ff.train()  # dropout p=0 here, so the result must be torchao's path exactly
+        assert torch.equal(ff(x), unfused)
+
+
+@pytest.mark.parametrize("activation, reason", [
+    ("gelu", "activation is not diffusers' tanh-approximate GELU"),
+    ("geglu", "activation is not diffusers' tanh-approximate GELU"),
+])
+def test_other_activations_are_not_fused(fp8_on_cpu, activation, reason):
+    ff = _fp8_feed_forward(activation=activation)
+    assert fused_ffn.unfusable_reason(ff) == reason
+    assert fused_ffn.fuse_feed_forwards(ff) == []
+
+
+def test_a_bf16_down_projection_is_not_fused():
+    from diffusers.models.attention import FeedForward
+
+    ff = FeedForward(64, inner_dim=256, activation_fn="gelu-approximate").to(torch.bfloat16)
+    assert fused_ffn.unfusable_reason(ff) == "weight is Parameter, not torchao's Float8Tensor"
+
+
+# ----------------------------------------------------------------------------- in the recipe
+
+@pytest.mark.parametrize("family, expected", [
+    ("wan_t2v", ["blocks.0.ffn", "blocks.1.ffn"]),
+    ("hunyuan_video", ["transformer_blocks.0.ff"]),  # ff_context stays bf16 (the text stream)
+    ("cogvideox", ["transformer_blocks.0.ff", "transformer_blocks.1.ff"]),
+    ("ltx_video", ["transformer_blocks.0.ff", "transformer_blocks.1.ff"]),
+    ("mochi", []),  # SwiGLU feed-forwards, and hidden widths that are not multiples of 16 stay bf16
+])
+def test_recipe_fuses_the_fp8_gelu_feed_forwards(fp8_on_cpu, family, expected):
+    model, inputs = _bf16(family)
+    # fuse_qkv=False: the second apply_recipe finds the weights in FP8 already.
+    apply_recipe(model, fsattn=False, fuse_qkv=False, compile=False, fuse_ffn=False)
+    with torch.no_grad():
+        unfused = run(model, inputs)
+    assert recipe_summary(model)["model"]["fused_ffn"] == []
+    apply_recipe(model, fsattn=False, fuse_qkv=False, compile=False)
+    assert recipe_summary(model)["model"]["fused_ffn"] == expected
+    assert recipe_summary(model)["model"]["parts"]["fuse_ffn"] is True
+    with torch.no_grad():
+        fused = run(model, inputs)
+    assert cosine(fused, unfused) > 0.9999
+    if expected:
+        assert not torch.equal(fused, unfused)  # the fused path ran
+    remove_recipe(model)
+    assert not any("forward" in vars(m) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(run(model, inputs), unfused)  # torchao's own path again (the weights stay FP8)
+
+
+def test_without_fp8_there_is_nothing_to_fuse():
+    model, _ = _bf16("wan_t2v")
+    apply_recipe(model, fsattn=False, fp8_linear=False, compile=False)
+    summary = recipe_summary(model)["model"]
+    assert summary["fused_ffn"] == [] and summary["parts"]["fuse_ffn"] is False
+
+
+def test_fuse_ffn_must_be_a_bool():
+    model, _ = _bf16("wan_t2v")
+    with pytest.raises(TypeError, match=r"fuse_ffn='yes'; expected True or False"):
+        apply_recipe(model, fuse_ffn="yes")
+
+
+def test_compiled_fused_recipe_has_no_graph_break_and_matches_eager(fp8_on_cpu):
+    model, inputs = _bf16("wan_t2v")
+    apply_recipe(model, compile=False)
+    with torch.no_grad():
+        eager = run(model, inputs)
+    apply_recipe(model, compile_options={"backend": "aot_eager"})  # the op's fake implementation is traced
+    with torch.no_grad():
+        compiled = run(model, inputs)
+    assert sum(counters["graph_break"].values()) == 0
+    assert recipe_summary(model)["model"]["fused_ffn"] == ["blocks.0.ffn", "blocks.1.ffn"]
+    assert torch.equal(compiled, eager)
+
+
+def test_both_transformers_of_wan22_are_fused(fp8_on_cpu):
+    pipe = build_wan_pipeline(second_transformer=True)
+    pipe.transformer.to(torch.bfloat16)
+    pipe.transformer_2.to(torch.bfloat16)
+    apply_recipe(pipe, fsattn=False, compile=False)
+    summary = recipe_summary(pipe)
+    assert summary["transformer"]["fused_ffn"] == summary["transformer_2"]["fused_ffn"] == [
+        "blocks.0.ffn", "blocks.1.ffn"]
+
+
+@pytest.mark.gpu
+def test_fused_feed_forward_on_the_gpu_matches_the_definition_and_torchao():
+    ff = _fp8_feed_forward(width=1536, hidden=8960, device="cuda")
+    x = torch.randn(4096, 1536, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    with torch.no_grad():
+        unfused = ff(x)
+        fused_ffn.fuse_feed_forwards(ff)
+        fused = ff(x)
+        expected = _independent_fp8_ffn(ff, x)
+    assert cosine(fused, expected) > 0.99999
+    assert cosine(fused, unfused) > 0.9999
