@@ -12,15 +12,19 @@ Rows (``--rows``, comma-separated; each an attention, then parts joined by ``+``
 =========================== ==============================================================
 ``default``                 the model as diffusers builds it (attention: ``--baseline-backend``)
 ``default+compile``         diffusers' regional compilation of the blocks
-``default+fuse+fp8+compile`` the recipe without fsattn: fused QKV, FP8 linear layers, compile
+``default+fuse+fp8+ffn+compile`` the recipe without fsattn: fused QKV, FP8 linear layers, fused
+                            feed-forward, compile
 ``fsattn``                  ``apply_fsattn``
 ``fsattn+compile``          fsattn, compiled
-``recipe``                  ``fsattn+fuse+fp8+compile``: ``fsattn_diffusers.apply_recipe`` as it defaults
+``recipe``                  ``fsattn+fuse+fp8+ffn+compile``: ``fsattn_diffusers.apply_recipe`` as it
+                            defaults
 =========================== ==============================================================
 
-Any other combination of ``fuse``, ``fp8`` (or ``fp8c``) and ``compile`` after ``default`` or
-``fsattn`` works too (e.g. ``fsattn+fp8+compile`` isolates the fusion; ``fsattn+fuse+fp8c+compile``
-is the recipe with ``fp8_conditioning=True``: the cross-attention / text stream in FP8 as well).
+Any other combination of ``fuse``, ``fp8`` (or ``fp8c``), ``ffn`` and ``compile`` after ``default``
+or ``fsattn`` works too (e.g. ``fsattn+fp8+ffn+compile`` isolates the QKV fusion;
+``fsattn+fuse+fp8+compile`` the feed-forward's one-kernel GELU + FP8 scaling (``ffn``: apply_recipe's
+``fuse_ffn``, needs ``fp8``); ``fsattn+fuse+fp8c+ffn+compile`` is the recipe with
+``fp8_conditioning=True``: the cross-attention / text stream in FP8 as well).
 One model build serves every row. FP8 replaces the weights, so rows run in the order given except
 that ``default`` goes first, then the bf16 rows, the ``fp8`` rows and the ``fp8c`` rows; FP8 rows
 share the quantized weights (a later ``fp8`` row quantizes nothing more, an ``fp8c`` row only the
@@ -70,9 +74,10 @@ import fsattn_diffusers
 from fsattn_diffusers import builtin_models, metrics
 
 MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "hunyuanvideo", "tiny", "tiny-hunyuanvideo")
-DEFAULT_ROWS = ("default", "default+compile", "default+fuse+fp8+compile", "fsattn", "fsattn+compile", "recipe")
-ALIASES = {"recipe": "fsattn+fuse+fp8+compile"}
-PARTS = ("fuse", "fp8", "fp8c", "compile")  # fp8c: fp8 with the conditioning's path (apply_recipe's fp8_conditioning)
+DEFAULT_ROWS = ("default", "default+compile", "default+fuse+fp8+ffn+compile", "fsattn", "fsattn+compile", "recipe")
+ALIASES = {"recipe": "fsattn+fuse+fp8+ffn+compile"}
+# fp8c: fp8 with the conditioning's path (apply_recipe's fp8_conditioning); ffn: apply_recipe's fuse_ffn
+PARTS = ("fuse", "fp8", "fp8c", "ffn", "compile")
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: prompt embeddings are always padded to it
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -98,6 +103,7 @@ class Row:
     fuse: bool = False
     fp8: bool = False
     fp8_conditioning: bool = False
+    ffn: bool = False
     compile: bool = False
 
     @property
@@ -109,18 +115,20 @@ class Row:
 def parse_row(text: str) -> Row:
     tokens = ALIASES.get(text, text).split("+")
     bad = [t for t in tokens[1:] if t not in PARTS] + ([] if tokens[0] in ("default", "fsattn") else [tokens[0]])
-    if bad or len(set(tokens)) != len(tokens) or {"fp8", "fp8c"} <= set(tokens):
+    parts = tokens[1:]
+    fp8 = "fp8" in parts or "fp8c" in parts
+    if bad or len(set(tokens)) != len(tokens) or {"fp8", "fp8c"} <= set(tokens) or ("ffn" in parts and not fp8):
         raise argparse.ArgumentTypeError(
             f"row {text!r}: expected 'default' or 'fsattn', then parts from {', '.join(PARTS)} (fp8 or fp8c, not "
-            f"both) joined by '+' (e.g. fsattn+fp8+compile), or an alias ({', '.join(ALIASES)})")
-    parts = tokens[1:]
-    return Row(text, tokens[0] == "fsattn", fuse="fuse" in parts, fp8="fp8" in parts or "fp8c" in parts,
-               fp8_conditioning="fp8c" in parts, compile="compile" in parts)
+            f"both; ffn only with one of them) joined by '+' (e.g. fsattn+fp8+compile), or an alias "
+            f"({', '.join(ALIASES)})")
+    return Row(text, tokens[0] == "fsattn", fuse="fuse" in parts, fp8=fp8, fp8_conditioning="fp8c" in parts,
+               ffn="ffn" in parts, compile="compile" in parts)
 
 
 def _rows(text: str) -> tuple[Row, ...]:
     rows = tuple(parse_row(t.strip()) for t in text.split(",") if t.strip())
-    names = [(r.fsattn, r.fuse, r.fp8, r.fp8_conditioning, r.compile) for r in rows]
+    names = [(r.fsattn, r.fuse, r.fp8, r.fp8_conditioning, r.ffn, r.compile) for r in rows]
     if not rows or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"--rows={text!r}: expected a comma-separated list of distinct rows")
     # FP8 replaces the weights: every bf16 row first, in the order given, then the FP8 rows, those
@@ -509,14 +517,15 @@ def set_up_row(row: Row, transformer, settings: Settings, default_backend: str) 
             options["options"] = dict(settings.inductor_options)
         fsattn_diffusers.apply_recipe(
             transformer, fsattn=row.fsattn, fsattn_options={"config": config} if row.fsattn else None,
-            fuse_qkv=row.fuse, fp8_linear=row.fp8, fp8_conditioning=row.fp8_conditioning,
+            fuse_qkv=row.fuse, fp8_linear=row.fp8, fp8_conditioning=row.fp8_conditioning, fuse_ffn=row.ffn,
             compile=row.compile, dynamic=settings.dynamic,
             compile_options=options if row.compile else None)
     elif row.fsattn:
         fsattn_diffusers.apply_fsattn(transformer, config=config)
     attention = "fsattn" if row.fsattn else f"diffusers attention backend {backend!r}"
     fp8 = "FP8 linear, cross-attention too" if row.fp8_conditioning else "FP8 linear"
-    parts = [p for p, on in (("fused QKV", row.fuse), (fp8, row.fp8), ("compiled", row.compile)) if on]
+    parts = [p for p, on in (("fused QKV", row.fuse), (fp8, row.fp8), ("fused feed-forward", row.ffn),
+                                 ("compiled", row.compile)) if on]
     return attention + (" + " + " + ".join(parts) if parts else "")
 
 
@@ -572,7 +581,8 @@ def run_row(row: Row, transformer, loop: Loop, pipe, settings: Settings, device:
                           for m in transformer.modules())
         result["recipe"] = None if summary is None else {
             "fused_modules": summary["fused_modules"], "fp8_linear_layers_quantized_here": len(summary["fp8_linear"]),
-            "fp8_linear_layers": fp8_running, "compiled_modules": summary["compiled_modules"]}
+            "fp8_linear_layers": fp8_running, "fused_feed_forwards": len(summary["fused_ffn"]),
+            "compiled_modules": summary["compiled_modules"]}
         if not settings.first_call_only:
             fsattn_diffusers.reset_stats()
             if device.type == "cuda":

@@ -434,7 +434,8 @@ def recipe_summary(loaded: LoadedModel) -> dict | None:
         return None
     return {name: None if entry is None else {
         "fused_modules": entry["fused_modules"], "fp8_linear_layers": len(entry["fp8_linear"]),
-        "compiled_modules": entry["compiled_modules"], "dynamic": entry["parts"]["dynamic"]}
+        "fused_feed_forwards": len(entry["fused_ffn"]), "compiled_modules": entry["compiled_modules"],
+        "dynamic": entry["parts"]["dynamic"]}
         for name, entry in summary.items()}
 
 
@@ -446,7 +447,8 @@ def describe_recipe(summary: dict | None) -> str:
         if entry is not None:
             dynamic = {None: "auto", True: "true", False: "false"}[entry["dynamic"]]
             parts.append(f"{name}: {entry['fused_modules']} fused QKV modules, {entry['fp8_linear_layers']} FP8 linear "
-                         f"layers, {entry['compiled_modules']} compiled blocks (dynamic {dynamic})")
+                         f"layers, {entry['fused_feed_forwards']} fused feed-forwards, {entry['compiled_modules']} "
+                         f"compiled blocks (dynamic {dynamic})")
     return "; ".join(parts)
 
 

@@ -158,8 +158,11 @@ def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_p
     # projections; the second FP8 row finds the 12 (unfused again) quantized, and runs them; the
     # fp8c row quantizes the cross-attention's 8 and its 2 fused K/V projections (the QKV fused
     # again from FP8 projections is FP8 already).
+    # The recipe fuses both blocks' feed-forwards; rows without "ffn" run torchao's own path.
     assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": 14,
-                                        "fp8_linear_layers_quantized_here": 14, "compiled_modules": 2}
+                                        "fp8_linear_layers_quantized_here": 14, "fused_feed_forwards": 2,
+                                        "compiled_modules": 2}
+    assert rows["fsattn+fp8+compile"]["recipe"]["fused_feed_forwards"] == 0
     assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 0
     assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == 12
     assert rows["fsattn+fuse+fp8c+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 8 + 2
@@ -254,24 +257,26 @@ def test_a_second_process_reuses_the_first_ones_compiled_artefacts(tmp_path):
 # ----------------------------------------------------------------------------- rows and arguments
 
 @pytest.mark.parametrize("text, parts", [
-    ("default", (False, False, False, False, False)),
-    ("default+fuse+fp8+compile", (False, True, True, False, True)),
-    ("recipe", (True, True, True, False, True)),
-    ("fsattn+compile+fp8", (True, False, True, False, True)),
-    ("fsattn+fuse+fp8c+compile", (True, True, True, True, True)),
+    ("default", (False, False, False, False, False, False)),
+    ("default+fuse+fp8+ffn+compile", (False, True, True, False, True, True)),
+    ("recipe", (True, True, True, False, True, True)),
+    ("fsattn+fuse+fp8+compile", (True, True, True, False, False, True)),
+    ("fsattn+compile+fp8", (True, False, True, False, False, True)),
+    ("fsattn+fuse+fp8c+compile", (True, True, True, True, False, True)),
 ])
 def test_rows_parse_into_attention_and_parts(bench, text, parts):
     row = bench.parse_row(text)
-    assert row.name == text and (row.fsattn, row.fuse, row.fp8, row.fp8_conditioning, row.compile) == parts
+    assert row.name == text and (row.fsattn, row.fuse, row.fp8, row.fp8_conditioning, row.ffn, row.compile) == parts
 
 
 def test_default_rows_put_the_reference_first_and_fp8_last_or_leave_fp8_out(bench, capsys):
     rows = [r.name for r in bench._rows(",".join(bench.DEFAULT_ROWS))]
-    assert rows == ["default", "default+compile", "fsattn", "fsattn+compile", "default+fuse+fp8+compile", "recipe"]
+    assert rows == ["default", "default+compile", "fsattn", "fsattn+compile", "default+fuse+fp8+ffn+compile",
+                    "recipe"]
     parser = bench.build_parser()
     settings, _, _, _ = bench.resolve_settings(parser, parser.parse_args(SMALL))  # on the CPU: no FP8
     assert settings.rows == ["default", "default+compile", "fsattn", "fsattn+compile"]
-    assert "default rows ['default+fuse+fp8+compile', 'recipe'] are left out: the transformer runs on cpu" in (
+    assert "default rows ['default+fuse+fp8+ffn+compile', 'recipe'] are left out: the transformer runs on cpu" in (
         capsys.readouterr().err)
 
 
@@ -281,7 +286,8 @@ def test_default_rows_put_the_reference_first_and_fp8_last_or_leave_fp8_out(benc
     (["--rows", "sdpa"], "row 'sdpa': expected 'default' or 'fsattn'"),
     (["--rows", "fsattn+fast"], "row 'fsattn+fast'"),
     (["--rows", "fsattn,fsattn"], "expected a comma-separated list of distinct rows"),
-    (["--rows", "recipe,fsattn+fuse+fp8+compile"], "distinct rows"),
+    (["--rows", "recipe,fsattn+fuse+fp8+ffn+compile"], "distinct rows"),
+    (["--rows", "fsattn+ffn+compile"], "ffn only with one of them"),
     (["--model", "wan2.2"], "invalid choice: 'wan2.2'"),
     (["--steps", "0"], "expected an integer >= 1, got '0'"),
     (["--fsattn-config", '{"no_such_field": 1}'], "--fsattn-config="),

@@ -156,7 +156,8 @@ def test_bare_install_compares_without_scikit_image_or_matplotlib(ab_compare, mo
     assert (tmp_path / "side_by_side.mp4").exists()
     assert saved["baseline"]["label"] == "sdpa+compile" and saved["candidate"]["label"] == "fsattn+fused-qkv+compile"
     assert saved["candidate"]["recipe"] == {"transformer": {"fused_modules": 4, "fp8_linear_layers": 0,
-                                                            "compiled_modules": 2, "dynamic": None}}
+                                                            "fused_feed_forwards": 0, "compiled_modules": 2,
+                                                            "dynamic": None}}
     assert saved["baseline"]["recipe"]["transformer"]["fused_modules"] == 0  # --compile alone on the baseline
     assert sum(saved["candidate"]["fsattn_stats"]["calls"].values()) == 16  # compiled, still every call on fsattn
     assert saved["latent_error"]["cosine"] > 0.999

@@ -158,8 +158,8 @@ def test_summary_prints_every_rank_time(generate_video, capsys):
 def test_recipe_parts_run_and_are_reported(generate_video, tmp_path):
     summary = generate_video.main([*SMALL, "--steps", "2", "--fuse-qkv", "--compile", "--compile-backend", "eager",
                                    "--dynamic", "false", "--no-decode"])
-    assert summary["recipe"] == {"transformer": {"fused_modules": 4, "fp8_linear_layers": 0, "compiled_modules": 2,
-                                                 "dynamic": False}}
+    assert summary["recipe"] == {"transformer": {"fused_modules": 4, "fp8_linear_layers": 0,
+                                                 "fused_feed_forwards": 0, "compiled_modules": 2, "dynamic": False}}
     assert sum(summary["fsattn_stats"]["calls"].values()) == 16  # compiled and fused, every call still on fsattn
     plain = generate_video.main([*SMALL, "--steps", "2", "--no-decode"])
     assert plain["recipe"] is None
