@@ -35,10 +35,9 @@ Four parts, each switchable, applied in this order:
      (with fsattn and compilation too: from 34.2 to 33.1 dB).
      They cost time where the video side is large: Wan's cross-attention Q and output
      projections are 11 % of the blocks' linear FLOPs at 1.3B and 17 % at 14B. At 14B the recipe
-     took 7.39 s a forward with them in bf16 (and coordinate-descent tuning, part 4) against
-     7.21 s with them in FP8 (no tuning), in two sessions whose default took 12.29 and 12.33 s;
-     at 1.3B the difference was within the run-to-run spread. ``fp8_conditioning=True`` puts
-     them in FP8 as well.
+     took 7.28 s a forward with them in bf16 against 7.12 s with them in FP8, in one process
+     whose default took 12.20 s (1.68x and 1.72x); at 1.3B the difference was within the
+     run-to-run spread. ``fp8_conditioning=True`` puts them in FP8 as well.
    * layers whose sizes are not multiples of 16 (``torch._scaled_mm`` needs them; torchao
      would skip them silently).
 
@@ -49,8 +48,9 @@ Four parts, each switchable, applied in this order:
    down projection is now FP8 computes the GELU and the per-row FP8 scaling of its output in one
    kernel, then torchao's FP8 GEMM on the layer's own FP8 weight
    (:mod:`fsattn_diffusers.fused_ffn`; the same numbers up to rounding ties). Compiled, torchao's
-   path is an inductor reduction that reads the hidden three times: 1.02 ms against 0.52 ms at
-   Wan2.1-1.3B's FFN, 3.9 ms against 1.9 ms at 14B's, per block (H200).
+   path is an inductor reduction that reads the hidden three times: 1.02 ms against 0.31 ms at
+   Wan2.1-1.3B's FFN, 3.90 ms against 1.23 ms at 14B's, per block (H200); the recipe's 1.3B step
+   went from 1.67x to 1.75x the default's speed with it, the 14B forward from 1.66x to 1.67x.
 4. ``compile``: diffusers' regional compilation, as ``compile_repeated_blocks(fullgraph=True,
    dynamic=dynamic)`` does it (``nn.Module.compile`` on every module whose class the model
    names in ``_repeated_blocks``: one graph per block class, shared by all its blocks, fsattn's
@@ -310,6 +310,13 @@ def _fuse(model, state: _RecipeState) -> None:
         fuse()
     except ValueError as exc:  # diffusers refuses some models (added KV projections): no fusion there
         refused = exc
+    except Exception as exc:  # noqa: BLE001 - narrowed to FP8 projections just below
+        # FP8 from an earlier recipe stays: diffusers' generic fuse_projections (CogVideoX's) copies
+        # the concatenated weights into a new bf16 layer, which torchao's float8 cannot do.
+        if not any(_is_float8(getattr(m, name).weight) for m in modules for name in ("to_q", "to_k", "to_v")
+                   if isinstance(getattr(m, name, None), torch.nn.Linear)):
+            raise
+        refused = f"their projections are FP8 already and {type(model).__name__} cannot fuse FP8 weights"
     else:
         refused = None
     ignored = 0
@@ -495,9 +502,8 @@ def apply_recipe(pipe_or_model, *, fsattn: bool = True, fsattn_options: dict | N
         compute capability 8.9 or newer. See :func:`fp8_linear_names` for the exact layers.
     fp8_conditioning : bool
         Also put the layers on the conditioning's path (cross-attention, joint attention's text
-        stream; module docstring) in FP8: at Wan2.1-14B 7.21 s a forward against 7.39 s (two
-        sessions, not one process), and the error that classifier-free guidance multiplies
-        grows (Wan2.1-1.3B with guidance 5: the lowest per-frame PSNR against bf16 fell by
+        stream; module docstring) in FP8: at Wan2.1-14B 7.12 s a forward against 7.28 s (one
+        process), and the error that classifier-free guidance multiplies grows (Wan2.1-1.3B with guidance 5: the lowest per-frame PSNR against bf16 fell by
         3.6 dB with FP8 alone, by 1.1 dB in the whole recipe). Default False.
     fuse_ffn : bool
         Where ``fp8_linear`` put a GELU feed-forward's down projection in FP8, compute the GELU

@@ -164,6 +164,20 @@ def test_fp8_quantizes_exactly_the_selection_and_the_fused_layers(fp8_on_cpu, fa
     assert sorted(recipe_summary(model)["model"]["fp8_linear"]) == sorted(set(expected) | set(fused_layers))
 
 
+def test_applying_again_after_fp8_leaves_cogvideox_unfused_instead_of_failing(fp8_on_cpu):
+    # FP8 is not undone, and diffusers' generic fuse_projections cannot concatenate float8 weights.
+    model, inputs = _bf16(*BUILDERS["cogvideox"]())
+    apply_recipe(model, fsattn=False, compile=False)
+    assert recipe_summary(model)["model"]["fused_modules"] == 2
+    first = run(model, inputs)
+    apply_recipe(model, fsattn=False, compile=False)
+    summary = recipe_summary(model)["model"]
+    assert summary["fused_modules"] == 0 and summary["fp8_linear"] == []  # nothing more to quantize
+    assert not any(hasattr(m, "to_qkv") for _, m in attention_modules(model))
+    assert _float8_layers(model) == set(COGVIDEOX)
+    assert cosine(run(model, inputs), first) > 0.9999
+
+
 def test_fp8_conditioning_quantizes_the_cross_attention_too(fp8_on_cpu):
     model, _ = _bf16(*BUILDERS["wan_t2v"]())
     apply_recipe(model, fsattn=False, compile=False, fp8_conditioning=True)
