@@ -56,6 +56,8 @@ def gelu_tanh_fp8_linear(hidden: torch.Tensor, weight_fp8: torch.Tensor, weight_
     """``linear(gelu_tanh(hidden), W)`` with ``W = weight_fp8 * weight_scale`` (e4m3 ``(N, K)``, float32
     ``(N, 1)``), the GELU's output quantized per row to e4m3; bf16 ``(..., N)``."""
     rows = hidden.reshape(-1, hidden.shape[-1])
+    if rows.shape[0] == 0:
+        return hidden.new_empty((*hidden.shape[:-1], weight_fp8.shape[0]), dtype=torch.bfloat16)
     q, scale = gelu_fp8_rows(rows)
     out = torch._scaled_mm(q, weight_fp8.t(), scale_a=scale, scale_b=weight_scale.t(), bias=bias,
                            out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
@@ -108,6 +110,8 @@ def unfusable_reason(module: torch.nn.Module) -> str | None:
         return "not the activation / dropout / down projection layout"
     if not 0 < down.in_features <= MAX_COLS:
         return f"hidden width {down.in_features} is outside 1..{MAX_COLS}"
+    if any(hasattr(m, "_hf_hook") for m in net):
+        return "its layers carry accelerate hooks (sequential CPU offload) that the fused path would not call"
     return _per_row_float8(down.weight)
 
 

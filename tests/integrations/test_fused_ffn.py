@@ -119,6 +119,21 @@ def test_other_activations_are_not_fused(fp8_on_cpu, activation, reason):
     assert fused_ffn.fuse_feed_forwards(ff) == []
 
 
+def test_no_tokens_give_an_empty_output(fp8_on_cpu):
+    ff = _fp8_feed_forward()
+    fused_ffn.fuse_feed_forwards(ff)
+    with torch.no_grad():
+        out = ff(torch.zeros(1, 0, 64, dtype=torch.bfloat16))
+    assert out.shape == (1, 0, 64) and out.dtype == torch.bfloat16
+
+
+def test_feed_forwards_under_sequential_offload_hooks_are_not_fused(fp8_on_cpu):
+    ff = _fp8_feed_forward()
+    ff.net[2]._hf_hook = object()  # what accelerate's sequential offload attaches to each layer
+    assert "accelerate hooks" in fused_ffn.unfusable_reason(ff)
+    assert fused_ffn.fuse_feed_forwards(ff) == []
+
+
 def test_a_bf16_down_projection_is_not_fused():
     from diffusers.models.attention import FeedForward
 
@@ -203,3 +218,18 @@ def test_fused_feed_forward_on_the_gpu_matches_the_definition_and_torchao():
         expected = _independent_fp8_ffn(ff, x)
     assert cosine(fused, expected) > 0.99999
     assert cosine(fused, unfused) > 0.9999
+
+
+def test_a_new_frame_count_recompiles_once_with_dynamic_shapes_and_matches_eager(fp8_on_cpu):
+    model, inputs = _bf16("wan_t2v")
+    longer = dict(inputs, hidden_states=torch.randn(2, 4, 5, 16, 16, generator=torch.Generator().manual_seed(5))
+                  .to(torch.bfloat16))
+    apply_recipe(model, compile=False)
+    with torch.no_grad():
+        eager = [run(model, inputs), run(model, longer)]
+    apply_recipe(model, compile_options={"backend": "aot_eager"})  # dynamic=None: static, then dynamic
+    with torch.no_grad():
+        compiled = [run(model, inputs), run(model, longer)]
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 2
+    assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
