@@ -14,7 +14,8 @@ prints the time per step and in total, the attention backend, fsattn's speculati
 fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
 
 The recipe's parts (``fsattn_diffusers.apply_recipe``) are flags: ``--fuse-qkv``, ``--fp8-linear``
-(torchao float8 linear layers; a CUDA GPU of compute capability 8.9+ and bf16;
+(torchao float8 linear layers, with apply_recipe's fused GELU feed-forward; a CUDA GPU of
+compute capability 8.9+ and bf16;
 ``--fp8-conditioning`` puts the cross-attention in FP8 too), ``--compile``
 (regional, ``fullgraph=True``), or ``--recipe`` for all of them with fsattn. Whatever the run
 needs after the denoising loop (a video writer) is checked before the model is loaded.
@@ -110,7 +111,8 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
                         help="one GEMM for the Q, K, V projections where the model family offers it")
     parser.add_argument("--fp8-linear", action="store_true",
                         help="the blocks' linear layers in FP8 e4m3, per-row scales (torchao; bf16 model, CUDA GPU of "
-                             "compute capability 8.9+); replaces the weights")
+                             "compute capability 8.9+), the GELU feed-forwards' activation and FP8 scaling in one kernel; "
+                             "replaces the weights")
     parser.add_argument("--fp8-conditioning", action="store_true",
                         help="with --fp8-linear or --recipe: the cross-attention / text stream in FP8 too (less "
                              "bf16 work; more of the error that guidance multiplies)")
