@@ -106,7 +106,7 @@ def test_fsattn_rows_run_every_call_on_fsattn_and_compiled_rows_make_one_graph(c
         assert row["dynamo"]["stats.unique_graphs"] == (1 if compiled else 0)  # both blocks share it
         assert row["dynamo"]["graph_breaks"] == 0
     assert rows["fsattn"]["recipe"] is None and rows["default"]["recipe"] is None
-    no_fp8 = {"fp8_linear_layers": 0, "fp8_linear_layers_quantized_here": 0}
+    no_fp8 = {"fp8_linear_layers": 0, "fp8_linear_layers_quantized_here": 0, "fused_feed_forwards": 0}
     assert rows["default+compile"]["recipe"] == {"fused_modules": 0, "compiled_modules": 2, **no_fp8}
     assert rows["fsattn+fuse+compile"]["recipe"] == {"fused_modules": 4, "compiled_modules": 2, **no_fp8}
 
