@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fsattn_diffusers
-from fsattn_diffusers import routing
+from fsattn_diffusers import recipe, routing
 
 
 def _seeded(seed=0):
@@ -202,6 +202,29 @@ def fresh_counters():
     fsattn_diffusers.reset_stats()
     routing.reset_logged()
     yield
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty before and after the test (graphs, breaks, recompiles)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """Let torchao's float8 linear layers run on the CPU (torchao refuses a CPU, and so does the
+    recipe's own check): torch's CPU ``_scaled_mm`` then computes the same float8 GEMMs, emulated,
+    so the recipe's FP8 path runs for real, at CPU speed."""
+    inference = pytest.importorskip("torchao.float8.inference")
+    if not hasattr(inference, "is_MI300"):
+        pytest.skip("this torchao checks FP8 hardware some other way; the CPU stand-in does not apply")
+    monkeypatch.setattr(inference, "is_MI300", lambda: True)
+    monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)
 
 
 def emulation_calls():

@@ -1,7 +1,7 @@
 """The recipe's fused feed-forward (``fuse_ffn``): which feed-forwards it takes, the op's numbers,
 compilation, the way back.
 
-torchao's float8 runs on the CPU through ``fp8_on_cpu`` (tests/integrations/test_recipe.py): torch's
+torchao's float8 runs on the CPU through ``fp8_on_cpu`` (tests/integrations/conftest.py): torch's
 CPU ``_scaled_mm`` computes the same float8 GEMMs. The op's GELU + scaling runs in PyTorch there,
 or with ``FSATTN_CPU_PATH=interpreter`` as the Triton kernel in Triton's interpreter.
 """
@@ -14,28 +14,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fsattn_diffusers import apply_recipe, fused_ffn, recipe, recipe_summary, remove_recipe
+from fsattn_diffusers import apply_recipe, fused_ffn, recipe_summary, remove_recipe
 
 from .conftest import BUILDERS, build_wan_pipeline, cosine, run
 
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def fp8_on_cpu(monkeypatch):
-    inference = pytest.importorskip("torchao.float8.inference")
-    if not hasattr(inference, "is_MI300"):
-        pytest.skip("this torchao checks FP8 hardware some other way; the CPU stand-in does not apply")
-    monkeypatch.setattr(inference, "is_MI300", lambda: True)
-    monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _bf16(family):

@@ -29,22 +29,7 @@ from .conftest import BUILDERS, build_wan_pipeline, cosine, emulation_calls, mak
 EAGER = {"backend": "eager"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def fp8_on_cpu(monkeypatch):
-    """Let torchao's float8 linear layers run on the CPU (see the module docstring)."""
-    inference = pytest.importorskip("torchao.float8.inference")
-    if not hasattr(inference, "is_MI300"):
-        pytest.skip("this torchao checks FP8 hardware some other way; the CPU stand-in does not apply")
-    monkeypatch.setattr(inference, "is_MI300", lambda: True)
-    monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _bf16(model, inputs):
