@@ -9,8 +9,16 @@ one inductor reduction that reads the hidden three times (1.02 ms at Wan2.1-1.3B
 hidden on an H200, 3.9 ms at 14B's 75,600 x 13,824). :func:`fuse_feed_forwards` routes such a
 feed-forward through ``fsattn::gelu_tanh_fp8_linear`` instead: the one-pass kernel of
 ``fsattn_diffusers.kernels.gelu_fp8`` (the GELU rounded to bf16 as the model's own returns it,
-the row's scale, e4m3), then the same ``torch._scaled_mm`` call torchao makes with the layer's
-FP8 weight and scales. The up projection stays torchao's.
+the row's scale, e4m3), then the ``torch._scaled_mm`` call torchao makes with the layer's FP8
+weight and scales (layers that torchao runs on MSLK's GEMM are not fused). The up projection
+stays torchao's. The row's scale is the float32 ``max|y| / 448``, as inductor computes it when
+it compiles torchao's path; torchao's eager path rounds that scale to bf16 first, so against it
+~1-2 % of the e4m3 values differ by one step.
+
+A feed-forward is fused only where calling its layers would run nothing but their class's
+forward (no hooks of torch, accelerate's or diffusers' offloading, no wrappers); where that
+changes after fusing, or in training mode, or with a hidden that is not bf16, the fused forward
+runs the class's own.
 
 On CPU tensors the op computes the same numbers in PyTorch (or, with
 ``FSATTN_CPU_PATH=interpreter``, runs the kernel in Triton's interpreter).
@@ -18,10 +26,13 @@ On CPU tensors the op computes the same numbers in PyTorch (or, with
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
+import types
 
 import torch
+
+from . import ops
 
 logger = logging.getLogger("fsattn_diffusers")
 
@@ -43,10 +54,13 @@ def gelu_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``(rows, 1)``: the kernel on a GPU, PyTorch (or the interpreter) on a CPU."""
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if rows.is_cuda or os.environ.get("FSATTN_CPU_PATH") == "interpreter":
+    if rows.is_cuda or ops.CPU_PATH == "interpreter":
         from .kernels.gelu_fp8 import gelu_tanh_fp8_rows
 
-        return gelu_tanh_fp8_rows(rows)
+        # Triton launches on the current device; the model may sit on another (device_map).
+        on_current = not rows.is_cuda or rows.device.index == torch.cuda.current_device()
+        with contextlib.nullcontext() if on_current else torch.cuda.device(rows.device):
+            return gelu_tanh_fp8_rows(rows)
     return _gelu_fp8_rows_torch(rows)
 
 
@@ -86,9 +100,23 @@ def _per_row_float8(weight) -> str | None:
     mm = getattr(weight, "mm_config", None)
     if mm is None or mm.emulate or mm.pad_inner_dim:
         return "the FP8 GEMM is emulated or padded"
-    if str(getattr(weight, "kernel_preference", "")).endswith("MSLK"):
-        return "torchao runs this layer on MSLK's GEMM"
+    preference = getattr(getattr(weight, "kernel_preference", None), "name", "")
+    if preference == "MSLK" or (preference == "AUTO" and _mslk_installed()):
+        return "torchao runs this layer on MSLK's GEMM, not torch._scaled_mm"
     return None
+
+
+def _mslk_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mslk") is not None
+
+
+def _hooked(layer: torch.nn.Module) -> bool:
+    """Whether calling `layer` would do more than its class's forward (hooks of torch, accelerate or
+    diffusers, an instance forward): the fused path, which reads its weight, would skip that."""
+    return bool(layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__
+                or hasattr(layer, "_hf_hook") or hasattr(layer, "_diffusers_hook"))
 
 
 def unfusable_reason(module: torch.nn.Module) -> str | None:
@@ -110,43 +138,57 @@ def unfusable_reason(module: torch.nn.Module) -> str | None:
         return "not the activation / dropout / down projection layout"
     if not 0 < down.in_features <= MAX_COLS:
         return f"hidden width {down.in_features} is outside 1..{MAX_COLS}"
-    if any(hasattr(m, "_hf_hook") for m in net):
-        return "its layers carry accelerate hooks (sequential CPU offload) that the fused path would not call"
+    if _hooked(act) or _hooked(down):
+        return ("its activation or down projection carries hooks (e.g. sequential CPU offload, group "
+                "offloading) that the fused path would not call")
     return _per_row_float8(down.weight)
 
 
-def _fused_forward(module: torch.nn.Module, use_fast_accum: bool):
-    def forward(hidden_states, *args, **kwargs):
-        hidden = module.net[0].proj(hidden_states)
-        down = module.net[2]
-        if module.training or hidden.dtype != torch.bfloat16:  # dropout to apply, or not the recipe's dtype
-            hidden = module.net[1](module.net[0].gelu(hidden))
-            out = down(hidden)
-            return module.net[3](out) if len(module.net) == 4 else out
-        weight = down.weight
-        return torch.ops.fsattn.gelu_tanh_fp8_linear(hidden, weight.qdata, weight.scale, down.bias, use_fast_accum)
-
-    return forward
+def _fused_forward(self, hidden_states, *args, **kwargs):
+    """A fused feed-forward's forward (bound to it as an instance method, so that a deep copy of
+    the model binds its own copy). Where the layers changed since fusing (a wrapper such as PEFT's
+    around the down projection, hooks added), in training (dropout), or with a hidden that is not
+    bf16, it runs the class's forward instead."""
+    act, down = self.net[0], self.net[2]
+    if self.training or not isinstance(down, torch.nn.Linear) or _hooked(act) or _hooked(down):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    hidden = act.proj(hidden_states)
+    if hidden.dtype != torch.bfloat16:
+        out = down(self.net[1](act.gelu(hidden)))
+        return self.net[3](out) if len(self.net) == 4 else out
+    weight = down.weight
+    return torch.ops.fsattn.gelu_tanh_fp8_linear(hidden, weight.qdata, weight.scale, down.bias,
+                                                 bool(weight.mm_config.use_fast_accum))
 
 
 def fuse_feed_forwards(model: torch.nn.Module) -> list[str]:
     """Route every feed-forward of `model` that :func:`unfusable_reason` accepts through the fused
     op (an instance ``forward``); returns their paths. Undone by :func:`unfuse_feed_forwards`."""
-    fused = []
+    fused, left = [], {}
     for path, module in model.named_modules():
-        if _FORWARD_ATTR in vars(module) or unfusable_reason(module) is not None:
-            continue
-        module.forward = _fused_forward(module, bool(module.net[2].weight.mm_config.use_fast_accum))
-        module._fsattn_fused_ffn = True
-        fused.append(path)
+        reason = unfusable_reason(module)
+        if reason is None and _FORWARD_ATTR in vars(module):
+            reason = "it has a forward of its own already (a hook's)"
+        if reason is None:
+            module.forward = types.MethodType(_fused_forward, module)
+            module._fsattn_fused_ffn = True
+            fused.append(path)
+        elif type(module).__name__ == "FeedForward":
+            left.setdefault(reason, []).append(path)
     if fused:
         logger.info("apply_recipe: %s: %d feed-forwards fused (GELU + FP8 scaling in one kernel)",
                     type(model).__name__, len(fused))
+    for reason, paths in left.items():
+        logger.info("apply_recipe: %s: %d feed-forwards on torchao's path (e.g. %s): %s", type(model).__name__,
+                    len(paths), paths[0], reason)
     return fused
 
 
 def unfuse_feed_forwards(model: torch.nn.Module) -> None:
-    """Put back the class's forward on the feed-forwards :func:`fuse_feed_forwards` routed."""
+    """Put back the class's forward on the feed-forwards :func:`fuse_feed_forwards` routed (where a
+    hook has wrapped the fused forward since, the hook's forward stays)."""
     for module in model.modules():
         if vars(module).pop("_fsattn_fused_ffn", False):
-            vars(module).pop(_FORWARD_ATTR, None)
+            forward = vars(module).get(_FORWARD_ATTR)
+            if getattr(forward, "__func__", None) is _fused_forward:
+                del vars(module)[_FORWARD_ATTR]

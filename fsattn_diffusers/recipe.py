@@ -47,7 +47,8 @@ Four parts, each switchable, applied in this order:
    ``fuse_ffn`` (with ``fp8_linear``): each diffusers ``FeedForward`` with a tanh-GELU whose
    down projection is now FP8 computes the GELU and the per-row FP8 scaling of its output in one
    kernel, then torchao's FP8 GEMM on the layer's own FP8 weight
-   (:mod:`fsattn_diffusers.fused_ffn`; the same numbers up to rounding ties). Compiled, torchao's
+   (:mod:`fsattn_diffusers.fused_ffn`: the numbers of torchao's compiled path up to rounding
+   ties; its eager path rounds the activation scale to bf16). Compiled, torchao's
    path is an inductor reduction that reads the hidden three times: 1.02 ms against 0.31 ms at
    Wan2.1-1.3B's FFN, 3.90 ms against 1.23 ms at 14B's, per block (H200); the recipe's 1.3B step
    went from 1.67x to 1.75x the default's speed with it, the 14B forward from 1.66x to 1.67x.
@@ -310,7 +311,7 @@ def _fuse(model, state: _RecipeState) -> None:
         fuse()
     except ValueError as exc:  # diffusers refuses some models (added KV projections): no fusion there
         refused = exc
-    except Exception as exc:  # noqa: BLE001 - narrowed to FP8 projections just below
+    except (AttributeError, TypeError, NotImplementedError) as exc:
         # FP8 from an earlier recipe stays: diffusers' generic fuse_projections (CogVideoX's) copies
         # the concatenated weights into a new bf16 layer, which torchao's float8 cannot do.
         if not any(_is_float8(getattr(m, name).weight) for m in modules for name in ("to_q", "to_k", "to_v")
@@ -506,9 +507,9 @@ def apply_recipe(pipe_or_model, *, fsattn: bool = True, fsattn_options: dict | N
         process), and the error that classifier-free guidance multiplies grows (Wan2.1-1.3B with guidance 5: the lowest per-frame PSNR against bf16 fell by
         3.6 dB with FP8 alone, by 1.1 dB in the whole recipe). Default False.
     fuse_ffn : bool
-        Where ``fp8_linear`` put a GELU feed-forward's down projection in FP8, compute the GELU
-        and that layer's input scaling in one kernel (module docstring). Ignored without
-        ``fp8_linear``. Default True.
+        Where a tanh-GELU feed-forward's down projection is in torchao's per-row FP8 (this
+        recipe's, or an earlier one's that stayed), compute the GELU and that layer's input
+        scaling in one kernel (module docstring). Ignored without ``fp8_linear``. Default True.
     keep_original_weights : bool
         Keep the bf16 weights that FP8 replaces, so that :func:`remove_recipe` puts them back
         (their memory stays in use). Default False: FP8 is then not undone.
@@ -581,9 +582,9 @@ def _undo(pipe_or_model, states) -> None:
 def remove_recipe(pipe_or_model):
     """Undo :func:`apply_recipe` where it can be undone; harmless where it was not applied.
 
-    Compilation, fsattn and the QKV fusion are undone; the FP8 weights are put back in bf16 only
-    if the recipe was applied with ``keep_original_weights=True``, and otherwise stay FP8 (the
-    fused projections' separate layers included). Returns `pipe_or_model`.
+    Compilation, fsattn, the fused feed-forwards and the QKV fusion are undone; the FP8 weights
+    are put back in bf16 only if the recipe was applied with ``keep_original_weights=True``, and
+    otherwise stay FP8 (the fused projections' separate layers included). Returns `pipe_or_model`.
     """
     targets = _targets(pipe_or_model, "remove_recipe")
     states = [(model, model.__dict__[_STATE_ATTR]) for _, model in targets if _STATE_ATTR in model.__dict__]

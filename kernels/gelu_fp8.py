@@ -11,13 +11,16 @@ projection's output::
 Compiled by inductor these are a looped reduction that reads the row three times and writes the
 GELU back in between (~0.8 TB/s on an H200). :func:`gelu_tanh_fp8_rows` reads each row once and
 keeps it in registers: a row of ``n`` columns is held as up to three power-of-two parts
-(``row_parts``: 8,960 = 8,192 + 512 + 512, 256 of the last used), so that few lanes idle
-whatever ``n`` is.
+(``row_parts``: 8,960 = 8,192 + 512 + 512, 256 of the last used; 13,824 = 8,192 + 4,096 +
+2,048, 1,536 used), so that at most part of the last one idles (a power-of-two padding of
+8,960 would leave 45 % of 16,384 lanes idle).
 
 ``gelu_tanh(x) = x * sigmoid(2u)`` with ``u = sqrt(2/pi) (x + 0.044715 x^3)`` is the same
 function as ``0.5 x (1 + tanh(u))``; written with one exponential and one division it needs no
 libdevice ``tanh`` (~20 instructions a value, which made the pass compute-bound) and runs under
-Triton's interpreter as well. An all-zero row gets scale 0 and zeros (not 0/0).
+Triton's interpreter as well. Far below zero (x < ~-10) torch's GELU is exactly 0 and this one a
+value below 1e-18: a row lying entirely there gets a tiny scale instead of 0. An all-zero row
+gets scale 0 and zeros (not 0/0); a row holding a NaN gets scale NaN.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ FP8_E4M3_MAX = 448.0
 # gelu_tanh(x) = x / (1 + 2^(x (C1 + C3 x^2))): C1 = -2 log2(e) sqrt(2/pi), C3 = 0.044715 C1.
 _C1 = tl.constexpr(-2.0 * 1.4426950408889634 * 0.7978845608028654)
 _C3 = tl.constexpr(-2.0 * 1.4426950408889634 * 0.7978845608028654 * 0.044715)
-# Smallest part of a row (and the largest that a row is padded by): below it the parts' own
-# reductions and stores would cost more than idle lanes.
+# Smallest part of a row: below it the parts' own reductions and stores would cost more than
+# idle lanes.
 MIN_PART = 512
 # Rows longer than this would need more registers than a program has: not taken.
 MAX_COLS = 32768
@@ -63,14 +66,20 @@ def _store_part(q_ptr, row, q_stride, y, inv_scale, start, n_cols, SIZE: tl.cons
 def _gelu_tanh_fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, x_stride, q_stride, PART_A: tl.constexpr,
                                PART_B: tl.constexpr, PART_C: tl.constexpr, SOFT_ROUND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    # max and min skip NaN: count them, so that a row holding one gets a NaN scale (its GEMM row
+    # then comes out NaN, as torchao's does) instead of finite values.
     y_a = _load_part(x_ptr, row, x_stride, 0, n_cols, PART_A, SOFT_ROUND)
     amax = tl.max(tl.abs(y_a), axis=0)
+    nans = tl.sum((y_a != y_a).to(tl.int32), axis=0)
     if PART_B > 0:
         y_b = _load_part(x_ptr, row, x_stride, PART_A, n_cols, PART_B, SOFT_ROUND)
         amax = tl.maximum(amax, tl.max(tl.abs(y_b), axis=0))
+        nans += tl.sum((y_b != y_b).to(tl.int32), axis=0)
     if PART_C > 0:
         y_c = _load_part(x_ptr, row, x_stride, PART_A + PART_B, n_cols, PART_C, SOFT_ROUND)
         amax = tl.maximum(amax, tl.max(tl.abs(y_c), axis=0))
+        nans += tl.sum((y_c != y_c).to(tl.int32), axis=0)
+    amax = tl.where(nans > 0, float("nan"), amax)
     scale = amax / 448.0
     inv_scale = tl.where(amax > 0, 448.0 / tl.maximum(amax, 1e-30), 0.0)
     _store_part(q_ptr, row, q_stride, y_a, inv_scale, 0, n_cols, PART_A, SOFT_ROUND)

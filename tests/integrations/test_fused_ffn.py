@@ -8,13 +8,14 @@ or with ``FSATTN_CPU_PATH=interpreter`` as the Triton kernel in Triton's interpr
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fsattn_diffusers import apply_recipe, fused_ffn, recipe_summary, remove_recipe
+from fsattn_diffusers import apply_recipe, fused_ffn, ops, recipe_summary, remove_recipe
 
 from .conftest import BUILDERS, build_wan_pipeline, cosine, run
 
@@ -31,13 +32,13 @@ def _bf16(family):
                    for k, v in inputs.items()}
 
 
-def _fp8_feed_forward(width=64, hidden=256, activation="gelu-approximate", device="cpu"):
+def _fp8_feed_forward(width=64, hidden=256, activation="gelu-approximate", device="cpu", **kwargs):
     """A diffusers FeedForward in bf16 with its down projection in torchao's per-row float8."""
     from diffusers.models.attention import FeedForward
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     torch.manual_seed(0)
-    ff = FeedForward(width, inner_dim=hidden, activation_fn=activation).to(device, torch.bfloat16).eval()
+    ff = FeedForward(width, inner_dim=hidden, activation_fn=activation, **kwargs).to(device, torch.bfloat16).eval()
     quantize_(ff, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
               filter_fn=lambda module, fqn: fqn == "net.2")
     return ff
@@ -52,15 +53,19 @@ def _independent_fp8_ffn(ff, x):
     q = (y.double() / scale).clamp(-448, 448).to(FP8).double() * scale
     weight = ff.net[2].weight
     w = weight.qdata.double() * weight.scale.double()
-    return q @ w.t() + ff.net[2].bias.double()
+    bias = ff.net[2].bias
+    return q @ w.t() + (0 if bias is None else bias.double())
 
 
 # ----------------------------------------------------------------------------- the op
 
-@pytest.mark.parametrize("cpu_path", ["emulation", "interpreter"])
-def test_fused_feed_forward_computes_the_fp8_feed_forward(fp8_on_cpu, monkeypatch, cpu_path):
-    monkeypatch.setenv("FSATTN_CPU_PATH", cpu_path)
-    ff = _fp8_feed_forward()
+@pytest.mark.parametrize("cpu_path, layout", [
+    ("emulation", {}), ("interpreter", {}),
+    ("emulation", {"bias": False}), ("emulation", {"final_dropout": True, "dropout": 0.1}),
+])
+def test_fused_feed_forward_computes_the_fp8_feed_forward(fp8_on_cpu, monkeypatch, cpu_path, layout):
+    monkeypatch.setattr(ops, "CPU_PATH", cpu_path)
+    ff = _fp8_feed_forward(**layout)
     x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.no_grad():
         unfused = ff(x)
@@ -77,12 +82,26 @@ def test_fused_feed_forward_computes_the_fp8_feed_forward(fp8_on_cpu, monkeypatc
 
 def test_kernel_and_cpu_emulation_give_the_same_fp8_rows(monkeypatch):
     h = (torch.randn(5, 300, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
-    monkeypatch.setenv("FSATTN_CPU_PATH", "emulation")
+    monkeypatch.setattr(ops, "CPU_PATH", "emulation")
     q_torch, s_torch = fused_ffn.gelu_fp8_rows(h)
-    monkeypatch.setenv("FSATTN_CPU_PATH", "interpreter")
+    monkeypatch.setattr(ops, "CPU_PATH", "interpreter")
     q_kernel, s_kernel = fused_ffn.gelu_fp8_rows(h)
     torch.testing.assert_close(s_kernel, s_torch, rtol=2e-7, atol=0)
     assert (q_kernel.float() == q_torch.float()).float().mean() >= 0.999
+
+
+@pytest.mark.parametrize("cpu_path", ["emulation", "interpreter"])
+def test_a_nan_in_the_hidden_makes_its_row_nan_as_torchao_does(fp8_on_cpu, monkeypatch, cpu_path):
+    monkeypatch.setattr(ops, "CPU_PATH", cpu_path)
+    ff = _fp8_feed_forward()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    x[1, 0] = float("nan")  # every hidden value of token 1 is NaN
+    with torch.no_grad():
+        unfused = ff(x)
+        fused_ffn.fuse_feed_forwards(ff)
+        fused = ff(x)
+    assert fused[1].isnan().all() and fused[[0, 2]].isfinite().all()
+    assert torch.equal(fused.isnan(), unfused.isnan())
 
 
 def test_training_mode_runs_the_unfused_path(fp8_on_cpu):
@@ -116,8 +135,43 @@ def test_no_tokens_give_an_empty_output(fp8_on_cpu):
 def test_feed_forwards_under_sequential_offload_hooks_are_not_fused(fp8_on_cpu):
     ff = _fp8_feed_forward()
     ff.net[2]._hf_hook = object()  # what accelerate's sequential offload attaches to each layer
-    assert "accelerate hooks" in fused_ffn.unfusable_reason(ff)
+    assert "carries hooks" in fused_ffn.unfusable_reason(ff)
     assert fused_ffn.fuse_feed_forwards(ff) == []
+
+
+def test_layers_changed_after_fusing_run_the_class_forward(fp8_on_cpu):
+    ff = _fp8_feed_forward()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    with torch.no_grad():
+        unfused = ff(x)
+        fused_ffn.fuse_feed_forwards(ff)
+        assert not torch.equal(ff(x), unfused)  # the fused path (torchao's eager scale differs)
+        calls = []
+        handle = ff.net[2].register_forward_pre_hook(lambda module, args: calls.append(1))
+        assert torch.equal(ff(x), unfused) and calls == [1]  # a hook added later is honoured
+        handle.remove()
+
+        class Wrapper(torch.nn.Module):  # e.g. PEFT's LoRA layer around the down projection
+            def __init__(self, base):
+                super().__init__()
+                self.base, self.weight = base, base.weight
+
+            def forward(self, h):
+                return self.base(h) + 1
+
+        ff.net[2] = Wrapper(ff.net[2])
+        assert torch.equal(ff(x), unfused + 1)
+
+
+def test_a_deep_copy_runs_its_own_layers(fp8_on_cpu):
+    ff = _fp8_feed_forward()
+    fused_ffn.fuse_feed_forwards(ff)
+    twin = copy.deepcopy(ff)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    with torch.no_grad():
+        before = twin(x)
+        ff.net[2].bias.zero_()
+        assert torch.equal(twin(x), before) and not torch.equal(ff(x), before)
 
 
 def test_a_bf16_down_projection_is_not_fused():
@@ -191,6 +245,8 @@ def test_both_transformers_of_wan22_are_fused(fp8_on_cpu):
     summary = recipe_summary(pipe)
     assert summary["transformer"]["fused_ffn"] == summary["transformer_2"]["fused_ffn"] == [
         "blocks.0.ffn", "blocks.1.ffn"]
+    assert all(vars(block.ffn)["forward"].__self__ is block.ffn
+               for model in (pipe.transformer, pipe.transformer_2) for block in model.blocks)
 
 
 @pytest.mark.gpu

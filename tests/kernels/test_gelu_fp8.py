@@ -53,13 +53,13 @@ def assert_matches(x, q, scale):
     assert (q == ref).float().mean() >= 0.999
 
 
-@pytest.mark.parametrize("n_cols", [1, 100, 512, 600, 1700, 2304])
+@pytest.mark.parametrize("n_cols", [1, 100, 512, 600, 1700, 2304, 7169, 28673, MAX_COLS])
 def test_row_parts_cover_the_row_in_powers_of_two(n_cols):
     parts = row_parts(n_cols)
     used = [p for p in parts if p]
     assert len(parts) == 3 and parts[: len(used)] == tuple(used)  # unused parts (0) come last
     assert all(p & (p - 1) == 0 and p >= MIN_PART for p in used)
-    assert n_cols <= sum(parts) < n_cols + MIN_PART
+    assert 0 <= sum(parts) - n_cols < used[-1]  # only the last part has idle lanes
 
 
 def test_row_parts_of_the_model_widths():
@@ -80,6 +80,15 @@ def test_matches_float64(poisoned, rows, n_cols):
     x[0, :6] = torch.tensor([-30.0, 30.0, 0.0, -0.5, 8.0, -3.0])  # saturated tails, zero, both signs
     x = x.to(torch.bfloat16).to(DEVICE)
     assert_matches(x, *gelu_tanh_fp8_rows(x))
+
+
+def test_a_nan_makes_its_row_scale_nan_and_leaves_the_others(poisoned):
+    x = (torch.randn(3, 1700, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
+    x[0, 3] = float("nan")  # in the first part
+    x[2, 1699] = float("nan")  # in the last
+    q, scale = gelu_tanh_fp8_rows(x.to(DEVICE))
+    assert scale[0].isnan().item() and scale[2].isnan().item()
+    assert_matches(x[1:2], q[1:2], scale[1:2])
 
 
 def test_a_zero_row_gets_scale_zero_and_zeros_and_strided_rows_are_read_as_rows(poisoned):
