@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Relaunch
 from .lowp import IN_INTERPRETER, to_low_precision
 
 FP8_E4M3_MAX = 448.0
@@ -126,7 +127,7 @@ def gelu_tanh_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        _gelu_tanh_fp8_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), PART_A=part_a,
-                                            PART_B=part_b, PART_C=part_c, SOFT_ROUND=IN_INTERPRETER,
-                                            num_warps=num_warps_for(cols))
+        Relaunch.of(_gelu_tanh_fp8_rows_kernel)[(rows,)](
+            x, q, scale, cols, x.stride(0), q.stride(0), PART_A=part_a, PART_B=part_b, PART_C=part_c,
+            SOFT_ROUND=IN_INTERPRETER, num_warps=num_warps_for(cols))
     return q, scale
