@@ -104,16 +104,6 @@ def test_a_nan_in_the_hidden_makes_its_row_nan_as_torchao_does(fp8_on_cpu, monke
     assert torch.equal(fused.isnan(), unfused.isnan())
 
 
-def test_training_mode_runs_the_unfused_path(fp8_on_cpu):
-    ff = _fp8_feed_forward()
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    with torch.no_grad():
-        unfused = ff(x)
-        fused_ffn.fuse_feed_forwards(ff)
-        ff.train()  # dropout p=0 here, so the result must be torchao's path exactly
-        assert torch.equal(ff(x), unfused)
-
-
 @pytest.mark.parametrize("activation, reason", [
     ("gelu", "activation is not diffusers' tanh-approximate GELU"),
     ("geglu", "activation is not diffusers' tanh-approximate GELU"),
@@ -139,13 +129,16 @@ def test_feed_forwards_under_sequential_offload_hooks_are_not_fused(fp8_on_cpu):
     assert fused_ffn.fuse_feed_forwards(ff) == []
 
 
-def test_layers_changed_after_fusing_run_the_class_forward(fp8_on_cpu):
+def test_training_mode_and_layers_changed_after_fusing_run_the_class_forward(fp8_on_cpu):
     ff = _fp8_feed_forward()
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     with torch.no_grad():
         unfused = ff(x)
         fused_ffn.fuse_feed_forwards(ff)
         assert not torch.equal(ff(x), unfused)  # the fused path (torchao's eager scale differs)
+        ff.train()  # dropout p=0 here, so the result must be torchao's path exactly
+        assert torch.equal(ff(x), unfused)
+        ff.eval()
         calls = []
         handle = ff.net[2].register_forward_pre_hook(lambda module, args: calls.append(1))
         assert torch.equal(ff(x), unfused) and calls == [1]  # a hook added later is honoured
