@@ -33,20 +33,20 @@ import types
 import torch
 
 from . import ops
+from .reference import FP8_MAX
 
 logger = logging.getLogger("fsattn_diffusers")
 
 _FORWARD_ATTR = "forward"  # the instance attribute that routes a module through the fused path
-_FP8_MAX = 448.0
 
 
 def _gelu_fp8_rows_torch(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel computes, in PyTorch: the model's bf16 GELU, then per-row e4m3 scaling."""
     y = torch.nn.functional.gelu(rows, approximate="tanh").float()
     amax = y.abs().amax(dim=-1, keepdim=True)
-    inv_scale = torch.where(amax > 0, _FP8_MAX / amax, torch.zeros_like(amax))
-    q = (y * inv_scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return q, amax / _FP8_MAX
+    inv_scale = torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
+    q = (y * inv_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, amax / FP8_MAX
 
 
 def gelu_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +115,7 @@ def _mslk_installed() -> bool:
 def _hooked(layer: torch.nn.Module) -> bool:
     """Whether calling `layer` would do more than its class's forward (hooks of torch, accelerate or
     diffusers, an instance forward): the fused path, which reads its weight, would skip that."""
-    return bool(layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__
+    return bool(layer._forward_hooks or layer._forward_pre_hooks or _FORWARD_ATTR in layer.__dict__
                 or hasattr(layer, "_hf_hook") or hasattr(layer, "_diffusers_hook"))
 
 

@@ -67,9 +67,10 @@ Four parts, each switchable, applied in this order:
 
 What can be undone (:func:`remove_recipe`): compilation (``nn.Module.compile`` sets
 ``_compiled_call_impl``; it is reset), fsattn, the fused feed-forwards, and the QKV fusion
-(processors put back, fused layers deleted; the separate projections keep the same values). The FP8 quantization *replaces* the
-weights: they stay FP8 after :func:`remove_recipe` unless ``keep_original_weights=True``, which
-keeps the bf16 weights alive (their memory stays in use) and puts them back.
+(processors put back, fused layers deleted; the separate projections keep the same values). The
+FP8 quantization *replaces* the weights: they stay FP8 after :func:`remove_recipe` unless
+``keep_original_weights=True``, which keeps the bf16 weights alive (their memory stays in use)
+and puts them back.
 
 Supported order with the rest of diffusers:
 

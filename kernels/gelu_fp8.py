@@ -32,7 +32,6 @@ import triton.language as tl
 from .launch import Relaunch
 from .lowp import IN_INTERPRETER, to_low_precision
 
-FP8_E4M3_MAX = 448.0
 # gelu_tanh(x) = x / (1 + 2^(x (C1 + C3 x^2))): C1 = -2 log2(e) sqrt(2/pi), C3 = 0.044715 C1.
 _C1 = tl.constexpr(-2.0 * 1.4426950408889634 * 0.7978845608028654)
 _C3 = tl.constexpr(-2.0 * 1.4426950408889634 * 0.7978845608028654 * 0.044715)
