@@ -122,15 +122,20 @@ class Relaunch:
         except TypeError:  # a keyword argument that cannot be hashed: not keyed
             return self.fn[grid](*args, **meta)
         if entry is not None:
-            compiled, tail = entry
-            compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
+            compiled, tail, runners = entry
+            runner = runners.get(grid)
+            if runner is None:  # CompiledKernel[grid] builds a closure per call: kept per grid
+                if len(runners) >= MAX_REMEMBERED:
+                    runners.clear()
+                runner = runners[grid] = compiled[grid + (1,) * (3 - len(grid))]
+            runner(*args, *tail)
             return compiled
         compiled = self.fn[grid](*args, **meta)
         tail = self._tail(len(args), meta)
         if tail is not None and hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
             if len(self._compiled) >= MAX_REMEMBERED:
                 self._compiled.clear()
-            self._compiled[key] = (compiled, tail)
+            self._compiled[key] = (compiled, tail, {})
         return compiled
 
 

@@ -29,8 +29,10 @@ class _Compiled:
 
     def __init__(self, log):
         self.log = log
+        self.runners_built = []
 
     def __getitem__(self, grid):
+        self.runners_built.append(grid)
         return lambda *args: self.log.append(("direct", grid, args))
 
 
@@ -69,6 +71,16 @@ def test_the_second_call_of_a_key_goes_straight_to_the_compiled_kernel_with_the_
     assert _paths(jit) == ["triton", "direct"]
     # Grid padded to three dimensions; BLOCK given, FLAG from its default; options are not arguments.
     assert jit.log[1][1:] == ((4, 2, 1), (y, 32, 0.25, 16, True))
+
+
+def test_each_grid_gets_its_own_runner_built_once(jit):
+    x = torch.zeros(64)
+    relaunch = Relaunch(jit)
+    compiled = [relaunch[grid](x, 32, 0.5, BLOCK=16) for grid in [(4, 2), (4, 2), (8,), (4, 2), (8,)]]
+    assert _paths(jit) == ["triton", "direct", "direct", "direct", "direct"]
+    assert [entry[1] for entry in jit.log[1:]] == [(4, 2, 1), (8, 1, 1), (4, 2, 1), (8, 1, 1)]
+    assert all(c is compiled[0] for c in compiled)
+    assert compiled[0].runners_built == [(4, 2, 1), (8, 1, 1)]
 
 
 @pytest.mark.parametrize("second", [
