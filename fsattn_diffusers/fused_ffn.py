@@ -26,7 +26,6 @@ On CPU tensors the op computes the same numbers in PyTorch (or, with
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import types
 
@@ -57,9 +56,7 @@ def gelu_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows.is_cuda or ops.CPU_PATH == "interpreter":
         from .kernels.gelu_fp8 import gelu_tanh_fp8_rows
 
-        # Triton launches on the current device; the model may sit on another (device_map).
-        on_current = not rows.is_cuda or rows.device.index == torch.cuda.current_device()
-        with contextlib.nullcontext() if on_current else torch.cuda.device(rows.device):
+        with ops.on_device_of(rows):
             return gelu_tanh_fp8_rows(rows)
     return _gelu_fp8_rows_torch(rows)
 

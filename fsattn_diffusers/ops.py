@@ -58,6 +58,15 @@ def call_plan(config: FSAttnConfig, device: torch.device, head_dim: int, has_bia
     return plan_for(config, target_of(device), head_dim, has_bias, dtype)
 
 
+def on_device_of(t: torch.Tensor):
+    """A context in which `t`'s CUDA device is the current one. Triton launches on the current
+    device, and a model on cuda:1 (device_map, multi-GPU pipelines) may run while cuda:0 is
+    current; switching costs host time, so it happens only when needed."""
+    if not t.is_cuda or t.device.index in (None, torch.cuda.current_device()):
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
+
+
 def _as_bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if layout == "NHD" else t.transpose(1, 2)
 
@@ -70,10 +79,7 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
     plan = plan_for(cfg, target_of(q.device), head_dim, key_bias is not None, q.dtype)
     q_tiles = bsz * heads * -(-seq_q // plan.block_m)
     if q.device.type == "cuda":
-        # Triton launches on the current device; a model on cuda:1 (device_map, multi-GPU pipelines)
-        # may run while cuda:0 is current. (Switching costs host time: only when needed.)
-        current = q.device.index == torch.cuda.current_device()
-        with contextlib.nullcontext() if current else torch.cuda.device(q.device):
+        with on_device_of(q):
             out, lse = _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
         stats.record_call("kernel", q_tiles)
     elif CPU_PATH == "interpreter":
