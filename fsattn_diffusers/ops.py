@@ -53,9 +53,10 @@ def target_of(device: torch.device):
 
 
 def call_plan(config: FSAttnConfig, device: torch.device, head_dim: int, has_bias: bool = False,
-              dtype: torch.dtype = torch.bfloat16):
-    """The :class:`~fsattn_diffusers.plan.LaunchPlan` a call with these properties runs."""
-    return plan_for(config, target_of(device), head_dim, has_bias, dtype)
+              dtype: torch.dtype = torch.bfloat16, seq_k: int | None = None):
+    """The :class:`~fsattn_diffusers.plan.LaunchPlan` a call with these properties runs (`seq_k`
+    None: a call with many keys)."""
+    return plan_for(config, target_of(device), head_dim, has_bias, dtype, seq_k)
 
 
 def on_device_of(t: torch.Tensor):
@@ -76,7 +77,7 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
     cfg = _config_from_json(config_json)
     q, k, v = (_as_bshd(t, layout) for t in (query, key, value))
     bsz, seq_q, heads, head_dim = q.shape
-    plan = plan_for(cfg, target_of(q.device), head_dim, key_bias is not None, q.dtype)
+    plan = plan_for(cfg, target_of(q.device), head_dim, key_bias is not None, q.dtype, k.shape[1])
     q_tiles = bsz * heads * -(-seq_q // plan.block_m)
     if q.device.type == "cuda":
         with on_device_of(q):
@@ -132,7 +133,7 @@ def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
             # Compilation happens before the launch: the K/V buffers are only read, and the retry
             # below quantises again for its own plan and returns its own output.
             planning.disable_gluon(name, err)
-        plan = plan_for(cfg, target_of(q.device), q.shape[-1], key_bias is not None, q.dtype)
+        plan = plan_for(cfg, target_of(q.device), q.shape[-1], key_bias is not None, q.dtype, k.shape[1])
         return _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
     from .kernels import fsattn_fwd as fwd
 

@@ -1,7 +1,7 @@
 """The launch plan of an fsattn call: which kernel runs it, with which tiles and operand layouts.
 
-Every kernel decision lives here, made once per (config, target, head dim, mask kind, dtype) and
-cached: per call the op only looks its plan up. A target is a CUDA device's compute capability,
+Every kernel decision lives here, made once per (config, target, head dim, mask kind, dtype, at
+most :data:`TRITON_MAX_KEYS` keys or not) and cached: per call the op only looks its plan up. A target is a CUDA device's compute capability,
 or the CPU paths: Triton's interpreter (the real kernels, tests) and the PyTorch emulation.
 """
 
@@ -24,6 +24,14 @@ _EXP_MODES = {0.0: EXP_MODE_SFU, 0.5: EXP_MODE_HALF, 1.0: EXP_MODE_BITS}
 # Sampling the speculative max costs two score tiles per query tile; with this many key tiles or
 # fewer (cross-attention to text) that is most of the work, and the online softmax runs instead.
 MIN_TILES_FOR_FROZEN_MAX = 5
+
+# At most this many keys (cross-attention to text), `kernel="auto"` runs the Triton kernel at
+# padded head dim 128: with a few key tiles the warp-specialised kernel's pipeline never fills.
+# H200, Wan's queries (32,760 x 12 heads / 75,600 x 40): 512 keys 0.30 / 2.05 ms against 0.40 /
+# 2.75, 1,024 keys 0.44 / 3.17 against 0.52 / 3.68; at 2,048 the Triton kernel 2.5 % faster / 0.4 %
+# slower; from 4,096 on the warp-specialised kernel is 10-23 % faster (benchmarks/NOTES.md v18).
+# Not measured at head dim 64.
+TRITON_MAX_KEYS = 1024
 
 INTERPRETER = "interpreter"
 EMULATION = "emulation"
@@ -68,14 +76,17 @@ def pv_dtype(config: FSAttnConfig, input_dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if input_dtype == torch.float16 else torch.bfloat16
 
 
-def plan_for(config: FSAttnConfig, target, head_dim: int, has_bias: bool, dtype: torch.dtype) -> LaunchPlan:
+def plan_for(config: FSAttnConfig, target, head_dim: int, has_bias: bool, dtype: torch.dtype,
+             seq_k: int | None = None) -> LaunchPlan:
     """The plan of a call (cached). `target`: a CUDA compute capability ``(major, minor)``,
-    :data:`INTERPRETER` or :data:`EMULATION`; `has_bias`: whether a float mask adds a bias."""
-    return _plan(config.to_json(), target, padded_head_dim(head_dim), has_bias, dtype)
+    :data:`INTERPRETER` or :data:`EMULATION`; `has_bias`: whether a float mask adds a bias;
+    `seq_k`: the call's key count (None: a call with many keys)."""
+    few_keys = seq_k is not None and seq_k <= TRITON_MAX_KEYS
+    return _plan(config.to_json(), target, padded_head_dim(head_dim), has_bias, dtype, few_keys)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dtype) -> LaunchPlan:
+def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dtype, few_keys: bool) -> LaunchPlan:
     from .kernels.configs import GLUON_WS_BLOCK_N, GLUON_WS_STAGES, INTERPRETER_TILES
     from .kernels.configs import default_launch_config
 
@@ -103,7 +114,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
         # The warp-specialised kernel measured 25-36 % faster than the Triton kernel on the H200 at
         # head dim 128, and 13 % at 64 with three consumers and the K scales in the ring
         # (benchmarks/NOTES.md v11 (d), v14 (c)); at 32 it was never measured.
-        wanted = "gluon_ws" if d_pad in (64, 128) else "triton"
+        wanted = "gluon_ws" if d_pad in (64, 128) and not (few_keys and d_pad == 128) else "triton"
     if wanted == "gluon_ws":
         ws = _dataclass_replace(plan, kernel="gluon_ws", block_n=config.block_n or GLUON_WS_BLOCK_N,
                                 num_stages=config.num_stages or GLUON_WS_STAGES, pv_key_order="wgmma")

@@ -2,8 +2,8 @@
 
 Gluon does not run in Triton's interpreter, so every test here needs an sm_90 GPU; on other
 machines they skip. Two kernels: the warp-specialised one (``kernel="gluon_ws"``, what ``"auto"``
-runs at head dims 33-128 on Hopper, so the families of docs/design.md §4.1 in
-``tests/kernels/test_fsattn_fwd.py``'s GPU tests reach it too) and the single-warpgroup one
+runs at head dims 33-128 on Hopper, except calls with at most 1,024 keys at 65-128, so the
+families of docs/design.md §4.1 in ``tests/kernels/test_fsattn_fwd.py``'s GPU tests reach it too) and the single-warpgroup one
 (``kernel="gluon"``, opt-in). Each is checked against the Triton kernel and against float64.
 """
 
@@ -183,7 +183,7 @@ def test_configs_the_gluon_kernel_does_not_cover_run_on_triton(kernel, gluon_cal
     assert planning.gluon_module(GLUON_KERNELS[kernel][0]) is not None
 
 
-def test_auto_runs_the_warp_specialised_kernel_at_head_dims_64_and_128(monkeypatch):
+def test_auto_runs_the_warp_specialised_kernel_at_head_dims_64_and_128_unless_few_keys(monkeypatch):
     monkeypatch.setattr(planning, "_DISABLED_GLUON", set())
     planning._plan.cache_clear()
     calls = {}
@@ -200,4 +200,9 @@ def test_auto_runs_the_warp_specialised_kernel_at_head_dims_64_and_128(monkeypat
     for head_dim in (128, 64, 32):
         q = torch.randn(1, 2048, 2, head_dim, device="cuda", dtype=torch.bfloat16)
         fsattn(q, q, q)
+    assert calls == {"gluon_ws": 2}
+    # Cross-attention to 512 keys at head dim 128: the Triton kernel (plan.TRITON_MAX_KEYS).
+    q = torch.randn(1, 2048, 2, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 512, 2, 128, device="cuda", dtype=torch.bfloat16)
+    fsattn(q, kv, kv)
     assert calls == {"gluon_ws": 2}

@@ -39,6 +39,32 @@ def test_auto_takes_the_warp_specialised_kernel_at_padded_head_dims_64_and_128(g
     assert plan.pv_key_order == ("wgmma" if kernel == "gluon_ws" else "natural")
 
 
+@pytest.mark.parametrize("seq_k, head_dim, kernel", [
+    (512, 128, "triton"), (1024, 128, "triton"), (1025, 128, "gluon_ws"), (None, 128, "gluon_ws"),
+    (512, 64, "gluon_ws"),  # the few-key rule was measured at head dim 128 only
+])
+def test_auto_runs_calls_with_few_keys_on_the_triton_kernel_at_head_dim_128(gluon_importable, seq_k, head_dim, kernel):
+    assert planning.TRITON_MAX_KEYS == 1024
+    assert planning.plan_for(FSAttnConfig(), HOPPER, head_dim, False, torch.bfloat16, seq_k).kernel == kernel
+    # Asked for by name, the warp-specialised kernel takes few keys too.
+    asked = planning.plan_for(FSAttnConfig(kernel="gluon_ws"), HOPPER, head_dim, False, torch.bfloat16, seq_k)
+    assert asked.kernel == "gluon_ws"
+
+
+@pytest.mark.parametrize("seq_q, seq_k, kernel", [(1100, 64, "triton"), (64, 1100, "gluon_ws")])
+def test_the_op_plans_by_the_number_of_keys_not_of_queries(monkeypatch, gluon_importable, seq_q, seq_k, kernel):
+    monkeypatch.setattr(ops, "target_of", lambda device: HOPPER)
+    monkeypatch.setattr(ops, "CPU_PATH", "emulation")  # the emulation runs whatever the plan says
+    planned = []
+    real = ops.plan_for
+    monkeypatch.setattr(ops, "plan_for", lambda *args, **kwargs: planned.append(real(*args, **kwargs)) or planned[-1])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, seq_q, 1, 128, generator=gen)
+    k, v = (torch.randn(1, seq_k, 1, 128, generator=gen) for _ in range(2))
+    ops.attention_impl(q, k, v, None, None, 128 ** -0.5, "NHD", FSAttnConfig().to_json())
+    assert [plan.kernel for plan in planned] == [kernel]
+
+
 @pytest.mark.parametrize("config", [
     FSAttnConfig(k_granularity="block"),  # the Gluon kernels read one K scale per key
     FSAttnConfig(pv_format="16bit"),
