@@ -24,7 +24,8 @@ Any other combination of ``fuse``, ``fp8`` (or ``fp8c``), ``ffn`` and ``compile`
 or ``fsattn`` works too (e.g. ``fsattn+fp8+ffn+compile`` isolates the QKV fusion;
 ``fsattn+fuse+fp8+compile`` the feed-forward's one-kernel GELU + FP8 scaling (``ffn``: apply_recipe's
 ``fuse_ffn``, needs ``fp8``); ``fsattn+fuse+fp8c+ffn+compile`` is the recipe with
-``fp8_conditioning=True``: the cross-attention / text stream in FP8 as well).
+``fp8_conditioning=True``: the cross-attention's K/V and output projections / the text stream
+in FP8 as well).
 One model build serves every row. FP8 replaces the weights, so rows run in the order given except
 that ``default`` goes first, then the bf16 rows, the ``fp8`` rows and the ``fp8c`` rows; FP8 rows
 share the quantized weights (a later ``fp8`` row quantizes nothing more, an ``fp8c`` row only the
@@ -523,7 +524,7 @@ def set_up_row(row: Row, transformer, settings: Settings, default_backend: str) 
     elif row.fsattn:
         fsattn_diffusers.apply_fsattn(transformer, config=config)
     attention = "fsattn" if row.fsattn else f"diffusers attention backend {backend!r}"
-    fp8 = "FP8 linear, cross-attention too" if row.fp8_conditioning else "FP8 linear"
+    fp8 = "FP8 linear, all of the cross-attention" if row.fp8_conditioning else "FP8 linear"
     parts = [p for p, on in (("fused QKV", row.fuse), (fp8, row.fp8), ("fused feed-forward", row.ffn),
                                  ("compiled", row.compile)) if on]
     return attention + (" + " + " + ".join(parts) if parts else "")

@@ -16,7 +16,7 @@ fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses th
 The recipe's parts (``fsattn_diffusers.apply_recipe``) are flags: ``--fuse-qkv``, ``--fp8-linear``
 (torchao float8 linear layers, with apply_recipe's fused GELU feed-forward; a CUDA GPU of
 compute capability 8.9+ and bf16;
-``--fp8-conditioning`` puts the cross-attention in FP8 too), ``--compile``
+``--fp8-conditioning`` puts the rest of the cross-attention in FP8 too), ``--compile``
 (regional, ``fullgraph=True``), or ``--recipe`` for all of them with fsattn. Whatever the run
 needs after the denoising loop (a video writer) is checked before the model is loaded.
 
@@ -114,8 +114,8 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
                              "compute capability 8.9+), the GELU feed-forwards' activation and FP8 scaling in one kernel; "
                              "replaces the weights")
     parser.add_argument("--fp8-conditioning", action="store_true",
-                        help="with --fp8-linear or --recipe: the cross-attention / text stream in FP8 too (less "
-                             "bf16 work; more of the error that guidance multiplies)")
+                        help="with --fp8-linear or --recipe: the cross-attention's K/V and output projections / the text "
+                             "stream in FP8 too (less bf16 work; more of the error that guidance multiplies)")
     parser.add_argument("--recipe", action="store_true",
                         help="the whole recipe: fsattn + --fuse-qkv + --fp8-linear + --compile")
     parser.add_argument("--dynamic", choices=sorted(_DYNAMIC), default="auto",
@@ -388,7 +388,8 @@ def recipe_parts(args) -> RecipeParts:
     """The parts the flags ask for (``--recipe``: all of them)."""
     every = args.recipe
     if args.fp8_conditioning and not (every or args.fp8_linear):
-        raise SystemExit("--fp8-conditioning adds the cross-attention to --fp8-linear's layers; give --fp8-linear "
+        raise SystemExit("--fp8-conditioning adds the cross-attention's K/V and output projections to --fp8-linear's "
+                         "layers; give --fp8-linear "
                          "or --recipe too")
     return RecipeParts(fuse_qkv=every or args.fuse_qkv, fp8_linear=every or args.fp8_linear,
                        fp8_conditioning=args.fp8_conditioning, compile=every or args.compile,

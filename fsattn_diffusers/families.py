@@ -159,18 +159,23 @@ def is_cross_attention(path: str, module, model) -> bool:
 # projections and the context feed-forward (diffusers names them so in every family).
 _CONDITIONING_LINEARS = ("add_q_proj", "add_k_proj", "add_v_proj", "to_added_qkv", "to_added_kv", "to_add_out")
 _CONDITIONING_SUBMODULES = ("ff_context",)
+# A cross-attention's projection of the video tokens into queries (diffusers' name in every family).
+_CROSS_QUERY_LINEARS = ("to_q",)
 
 
 def carries_conditioning(path: str, model) -> bool:
-    """Whether the layer at `path` (inside a block) belongs to a cross-attention or sees only conditioning tokens.
+    """Whether the layer at `path` (inside a block) is on the conditioning's path into the video tokens.
 
-    True for every layer of a cross-attention module (:func:`is_cross_attention`: its Q, K, V
-    and output projections, fused or not, and Wan I2V's image projections), for joint
-    attention's added projections (``add_q_proj``, ..., ``to_add_out``) and for anything under
-    ``ff_context``. In cross-attention models (Wan, LTX-Video) the prompt reaches the video
-    tokens only through the former, so the error made there is what classifier-free guidance
-    multiplies. Layers that joint attention shares between text and video tokens (CogVideoX's,
-    HunyuanVideo's single-stream blocks, the video side's own projections) are not included.
+    True for the layers of a cross-attention module (:func:`is_cross_attention`) that the
+    conditioning passes through: its K and V projections (fused or not, and Wan I2V's image
+    projections) and its output projection; for joint attention's added projections
+    (``add_q_proj``, ..., ``to_add_out``) and for anything under ``ff_context``. In
+    cross-attention models (Wan, LTX-Video) the prompt reaches the video tokens only through the
+    former, so the error made there is what classifier-free guidance multiplies. Not included:
+    a cross-attention's query projection (``to_q``: it projects the video tokens, before any
+    conditioning is mixed in), and the layers that joint attention shares between text and
+    video tokens (CogVideoX's, HunyuanVideo's single-stream blocks, the video side's own
+    projections).
     """
     parts = path.split(".")
     if parts[-1] in _CONDITIONING_LINEARS or any(p in _CONDITIONING_SUBMODULES for p in parts[:-1]):
@@ -179,7 +184,7 @@ def carries_conditioning(path: str, model) -> bool:
         ancestor = ".".join(parts[:end])
         module = model.get_submodule(ancestor)
         if is_attention_module(module):
-            return is_cross_attention(ancestor, module, model)
+            return is_cross_attention(ancestor, module, model) and parts[-1] not in _CROSS_QUERY_LINEARS
     return False
 
 

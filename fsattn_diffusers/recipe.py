@@ -23,21 +23,21 @@ Four parts, each switchable, applied in this order:
      scales, shifts and gates every token of the block, so its rounding error would reach all
      of them. (Wan computes its modulation outside the blocks.)
    * inside the blocks, the layers on the conditioning's own path
-     (:func:`~fsattn_diffusers.families.carries_conditioning`): every projection of a
-     cross-attention module (Wan's ``attn2``: Q, K, V, output, fused or not, and I2V's image
-     projections) and joint attention's text stream (HunyuanVideo's ``add_*_proj``,
-     ``to_add_out``, ``ff_context``). In cross-attention models the prompt reaches the video
-     tokens only through the former, so their error is what classifier-free guidance
-     multiplies; layers that joint attention shares between text and video stay in FP8. Measured
-     on Wan only, where the effect is large: on Wan2.1-1.3B (random weights,
-     two steps, guidance 5, decoded), with every other block layer in FP8, FP8 on the
-     cross-attention as well took the lowest per-frame PSNR against bf16 from 37.2 to 33.6 dB
-     (with fsattn and compilation too: from 34.2 to 33.1 dB).
-     They cost time where the video side is large: Wan's cross-attention Q and output
-     projections are 11 % of the blocks' linear FLOPs at 1.3B and 17 % at 14B. At 14B the recipe
-     took 7.28 s a forward with them in bf16 against 7.12 s with them in FP8, in one process
-     whose default took 12.20 s (1.68x and 1.72x); at 1.3B the difference was within the
-     run-to-run spread. ``fp8_conditioning=True`` puts them in FP8 as well.
+     (:func:`~fsattn_diffusers.families.carries_conditioning`): a cross-attention module's K, V
+     and output projections (Wan's ``attn2``, fused or not, and I2V's image projections) and
+     joint attention's text stream (HunyuanVideo's ``add_*_proj``, ``to_add_out``,
+     ``ff_context``). In cross-attention models the prompt reaches the video tokens only through
+     the former, so their error is what classifier-free guidance multiplies; layers that joint
+     attention shares between text and video stay in FP8. Measured on Wan only, where the effect
+     is large: on Wan2.1-1.3B (random weights, two steps, guidance 5, decoded), with every other
+     block layer in FP8, FP8 on the cross-attention as well took the lowest per-frame PSNR
+     against bf16 from 37.2 to 33.6 dB. With fsattn, compilation and the fused feed-forward, the
+     output projection alone in FP8 cost 0.9 dB of the lowest frame (34.2 to 33.3); the K/V
+     projections run on the text tokens only (512 rows), a negligible share of the FLOPs. The
+     cross-attention's query projection projects the video tokens before any text is mixed in:
+     it is in FP8 (0.05 dB of the lowest frame at 1.3B; 85 ms off a 7.3 s Wan2.1-14B forward).
+     ``fp8_conditioning=True`` puts the rest in FP8 as well: at 14B the output projection in
+     FP8 took another 75 ms off.
    * layers whose sizes are not multiples of 16 (``torch._scaled_mm`` needs them; torchao
      would skip them silently).
 
@@ -503,10 +503,11 @@ def apply_recipe(pipe_or_model, *, fsattn: bool = True, fsattn_options: dict | N
         FP8 e4m3 per-row linear layers in the blocks (torchao); needs bf16 weights and a GPU of
         compute capability 8.9 or newer. See :func:`fp8_linear_names` for the exact layers.
     fp8_conditioning : bool
-        Also put the layers on the conditioning's path (cross-attention, joint attention's text
-        stream; module docstring) in FP8: at Wan2.1-14B 7.12 s a forward against 7.28 s (one
-        process), and the error that classifier-free guidance multiplies grows (Wan2.1-1.3B with guidance 5: the lowest per-frame PSNR against bf16 fell by
-        3.6 dB with FP8 alone, by 1.1 dB in the whole recipe). Default False.
+        Also put the layers on the conditioning's path (a cross-attention's K, V and output
+        projections, joint attention's text stream; module docstring) in FP8. At Wan2.1-14B the
+        output projection in FP8 took a forward from 7.22 to 7.14 s (one process), and the error
+        that classifier-free guidance multiplies grows (Wan2.1-1.3B with guidance 5: 0.9 dB off
+        the lowest per-frame PSNR against bf16 for the output projection alone). Default False.
     fuse_ffn : bool
         Where a tanh-GELU feed-forward's down projection is in torchao's per-row FP8 (this
         recipe's, or an earlier one's that stayed), compute the GELU and that layer's input

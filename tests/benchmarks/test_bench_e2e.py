@@ -154,19 +154,19 @@ def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_p
                          "--steps", "1", "--no-decode", "--out", str(tmp_path / "fp8.json")])
     rows = {r["row"]: r for r in report["rows"]}
     assert [r["row"] for r in report["rows"]] == ["default", "recipe", "fsattn+fp8+compile", "fsattn+fuse+fp8c+compile"]
-    # 12 block linears (the cross-attention stays bf16) and the 2 fused self-attention QKV
-    # projections; the second FP8 row finds the 12 (unfused again) quantized, and runs them; the
-    # fp8c row quantizes the cross-attention's 8 and its 2 fused K/V projections (the QKV fused
-    # again from FP8 projections is FP8 already).
+    # 14 block linears (of the cross-attention only the query projection) and the 2 fused
+    # self-attention QKV projections; the second FP8 row finds the 14 (unfused again) quantized, and
+    # runs them; the fp8c row quantizes the cross-attention's other 6 and its 2 fused K/V projections
+    # (the QKV fused again from FP8 projections is FP8 already).
     # The recipe fuses both blocks' feed-forwards; rows without "ffn" run torchao's own path.
-    assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": 14,
-                                        "fp8_linear_layers_quantized_here": 14, "fused_feed_forwards": 2,
+    assert rows["recipe"]["recipe"] == {"fused_modules": 4, "fp8_linear_layers": 16,
+                                        "fp8_linear_layers_quantized_here": 16, "fused_feed_forwards": 2,
                                         "compiled_modules": 2}
     assert rows["fsattn+fp8+compile"]["recipe"]["fused_feed_forwards"] == 0
     assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 0
-    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == 12
-    assert rows["fsattn+fuse+fp8c+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 8 + 2
-    assert rows["fsattn+fuse+fp8c+compile"]["recipe"]["fp8_linear_layers"] == 12 + 8 + 2 + 2
+    assert rows["fsattn+fp8+compile"]["recipe"]["fp8_linear_layers"] == 14
+    assert rows["fsattn+fuse+fp8c+compile"]["recipe"]["fp8_linear_layers_quantized_here"] == 6 + 2
+    assert rows["fsattn+fuse+fp8c+compile"]["recipe"]["fp8_linear_layers"] == 14 + 6 + 2 + 2
     for name in ("recipe", "fsattn+fp8+compile", "fsattn+fuse+fp8c+compile"):
         assert rows[name]["dynamo"]["graph_breaks"] == 0 and rows[name]["dynamo"]["stats.unique_graphs"] == 1
         assert 0.99 < rows[name]["quality"]["output_cosine"] < 1.0

@@ -168,7 +168,7 @@ def test_recipe_parts_run_and_are_reported(generate_video, tmp_path):
 @pytest.mark.parametrize("args, match", [
     (["--recipe"], r"--fp8-linear \(also part of --recipe\): the transformer runs on cpu.*--fuse-qkv --compile"),
     (["--recipe", "--attention", "sdpa"], "--recipe runs fsattn"),
-    (["--fp8-conditioning", "--compile"], "--fp8-conditioning adds the cross-attention to --fp8-linear's layers"),
+    (["--fp8-conditioning", "--compile"], "--fp8-conditioning adds the cross-attention's K/V and output projections to --fp8-linear's layers"),
 ])
 def test_recipe_that_cannot_run_is_refused_before_loading(generate_video, monkeypatch, args, match):
     monkeypatch.setattr(generate_video, "load_model", lambda *a, **k: pytest.fail("loaded before the refusal"))

@@ -65,9 +65,9 @@ def _float8_layers(model):
 
 
 def _wan_block(i):
-    # Not the cross-attention (attn2: to_q, to_k, to_v, to_out; in I2V also the image tokens'
-    # add_k_proj, add_v_proj): the prompt's own path into the video.
-    names = [f"blocks.{i}.attn1.{p}" for p in ("to_q", "to_k", "to_v", "to_out.0")]
+    # Of the cross-attention (attn2) only the query projection of the video tokens: not to_k,
+    # to_v, to_out (in I2V also the image tokens' add_k_proj, add_v_proj), the prompt's own path.
+    names = [f"blocks.{i}.attn1.{p}" for p in ("to_q", "to_k", "to_v", "to_out.0")] + [f"blocks.{i}.attn2.to_q"]
     names += [f"blocks.{i}.ffn.net.0.proj", f"blocks.{i}.ffn.net.2"]
     return names
 
@@ -80,12 +80,12 @@ HUNYUAN = [f"transformer_blocks.0.{n}" for n in (
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")] + [
     f"single_transformer_blocks.0.{n}" for n in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")]
 LTX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
-    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")]
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "ff.net.0.proj", "ff.net.2")]
 # The tiny Mochi's feed-forward hidden sizes (170 for video, 42 for text) are not multiples of 16,
 # and its text stream (add_*_proj, to_add_out) is the conditioning's path.
 # Wan VACE's control block (run first) gets FP8 like the main blocks, with its input and output projections.
 WAN_VACE = [f"vace_blocks.0.{n}" for n in (
-    "proj_in", "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ffn.net.0.proj", "ffn.net.2",
+    "proj_in", "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "ffn.net.0.proj", "ffn.net.2",
     "proj_out")] + WAN_T2V
 MOCHI = [f"transformer_blocks.{i}.attn1.{p}" for i in (0, 1) for p in ("to_q", "to_k", "to_v", "to_out.0")]
 COGVIDEOX = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in (
@@ -113,7 +113,7 @@ def test_fp8_selection_is_the_block_linears_without_the_modulation(family, expec
 def test_fp8_conditioning_adds_the_cross_attention_and_the_text_stream():
     wan, _ = BUILDERS["wan_i2v"]()
     conditioning = [f"blocks.{i}.attn2.{p}" for i in (0, 1)
-                    for p in ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj")]
+                    for p in ("to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj")]
     assert sorted(fp8_linear_names(wan, fp8_conditioning=True)["model"]) == sorted(WAN_T2V + conditioning)
     hunyuan, _ = BUILDERS["hunyuan_video"]()
     text_stream = [f"transformer_blocks.0.{n}" for n in (
@@ -121,7 +121,7 @@ def test_fp8_conditioning_adds_the_cross_attention_and_the_text_stream():
         "ff_context.net.2")]
     assert sorted(fp8_linear_names(hunyuan, fp8_conditioning=True)["model"]) == sorted(HUNYUAN + text_stream)
     ltx, _ = BUILDERS["ltx_video"]()
-    cross = [f"transformer_blocks.{i}.attn2.{p}" for i in (0, 1) for p in ("to_q", "to_k", "to_v", "to_out.0")]
+    cross = [f"transformer_blocks.{i}.attn2.{p}" for i in (0, 1) for p in ("to_k", "to_v", "to_out.0")]
     assert sorted(fp8_linear_names(ltx, fp8_conditioning=True)["model"]) == sorted(LTX + cross)
     mochi, _ = BUILDERS["mochi"]()
     # Mochi's last block keeps no text output (context_pre_only): no to_add_out there.
@@ -187,7 +187,7 @@ def test_fp8_needs_bf16_weights(fp8_on_cpu):
     model, _ = BUILDERS["wan_t2v"]()  # float32
     before = _snapshot(model)
     with pytest.raises(TypeError, match=r"needs bfloat16 weights .* model\.blocks\.0\.attn1\.to_q is torch\.float32 "
-                                        r"\(12 such layers\)"):
+                                        r"\(14 such layers\)"):
         apply_recipe(model)
     _assert_unchanged(model, before)
 
