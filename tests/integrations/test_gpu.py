@@ -87,6 +87,28 @@ def test_the_recipe_with_model_cpu_offload_matches_the_recipe_on_the_gpu(recipe_
     assert cosine(offloaded, on_gpu) > 0.9999
 
 
+def test_the_recipe_after_a_fused_lora_runs_the_adapter_in_fp8():
+    # The supported order: load and fuse the LoRA, then the recipe (FP8 quantizes the fused weights).
+    from peft import LoraConfig
+
+    from fsattn_diffusers import apply_recipe
+
+    model, inputs = BUILDERS["wan_t2v"]()
+    inputs = _to_cuda(model, inputs)
+    plain = run(model, inputs)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=32, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v"]))
+    model.fuse_lora()
+    model.unload_lora()
+    with_lora = run(model, inputs)
+    assert cosine(with_lora, plain) < 0.99  # the adapter matters far beyond FP8's rounding
+    apply_recipe(model, fsattn_options={"config": EVERY_CALL})
+    fsattn_diffusers.reset_stats()
+    out = run(model, inputs)
+    assert fsattn_diffusers.stats()["calls"] == {"kernel": EXPECTED["wan_t2v"][0]}
+    assert "blocks.0.attn1.to_qkv" in fsattn_diffusers.recipe_summary(model)["model"]["fp8_linear"]
+    assert cosine(out, with_lora) > max(0.99, cosine(out, plain))
+
+
 @pytest.mark.slow
 def test_wan21_1_3b_480p_81_frames_matches_sdpa():
     from diffusers import WanTransformer3DModel
