@@ -100,18 +100,19 @@ class FSAttnConfig:
         row and writes its LSE whatever the number of keys, so with few keys that fixed cost per
         row outweighs the faster 8-bit GEMMs however many rows there are: cross-attention to 512
         text tokens measured 0.75x SDPA at Wan2.1-14B 720p (75,600 queries, 40 heads; 0.57x on the
-        warp-specialised kernel), where it has 2.6x the FLOPs of ``sdpa_below_flops``. The default, 4096, is where fsattn won on the H200
-        with Wan's queries (75,600 x 40 heads and 32,760 x 12): 1.00x and 0.91x SDPA at 2,048 keys,
-        1.21x and 1.11x at 4,096 (README, "Measured"). ``0`` turns the rule off.
+        warp-specialised kernel), where it has 2.6x the FLOPs of ``sdpa_below_flops``. The
+        default, 4096, is where fsattn won on the H200 with Wan's queries (75,600 x 40 heads and
+        32,760 x 12): 1.00x and 0.91x SDPA at 2,048 keys, 1.21x and 1.11x at 4,096 (README,
+        "Measured"). ``0`` turns the rule off.
     kernel : {"auto", "triton", "gluon", "gluon_ws"}
         Which forward kernel runs; all compute the same attention to within FP8 rounding.
         ``"auto"`` (default): the fastest measured, i.e. ``"gluon_ws"`` on Hopper at head dims
         33-128 where it covers the call, except calls with at most 1,024 keys at head dims
         65-128 (cross-attention to text: there the Triton kernel was 16-34 % faster), else the
-        Triton kernel. ``"triton"``: the Triton kernel,
-        every configuration and GPU. ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon
-        kernel (a TMA producer warp, two or three consumer warpgroups taking turns at the tensor
-        cores, a speculative running max); its P is rounded from another max than the Triton kernel's, so
+        Triton kernel. ``"triton"``: the Triton kernel, every configuration and GPU.
+        ``"gluon_ws"`` (Hopper only): the warp-specialised Gluon kernel (a TMA producer warp, two
+        or three consumer warpgroups taking turns at the tensor cores, a speculative running
+        max); its P is rounded from another max than the Triton kernel's, so
         the two are equally close to exact attention but not bit-equal. ``"gluon"`` (Hopper only,
         kept as the simplest Gluon schedule, slower than the Triton kernel). Both Gluon kernels
         cover the default numerics only (online max policy, per-key K scales, FP8 PV with the

@@ -1,8 +1,9 @@
 """The launch plan of an fsattn call: which kernel runs it, with which tiles and operand layouts.
 
 Every kernel decision lives here, made once per (config, target, head dim, mask kind, dtype, at
-most :data:`TRITON_MAX_KEYS` keys or not) and cached: per call the op only looks its plan up. A target is a CUDA device's compute capability,
-or the CPU paths: Triton's interpreter (the real kernels, tests) and the PyTorch emulation.
+most :data:`TRITON_MAX_KEYS` keys or not) and cached: per call the op only looks its plan up. A
+target is a CUDA device's compute capability, or the CPU paths: Triton's interpreter (the real
+kernels, tests) and the PyTorch emulation.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Gluon does not run in Triton's interpreter, so every test here needs an sm_90 GPU; on other
 machines they skip. Two kernels: the warp-specialised one (``kernel="gluon_ws"``, what ``"auto"``
 runs at head dims 33-128 on Hopper, except calls with at most 1,024 keys at 65-128, so the
-families of docs/design.md §4.1 in ``tests/kernels/test_fsattn_fwd.py``'s GPU tests reach it too) and the single-warpgroup one
-(``kernel="gluon"``, opt-in). Each is checked against the Triton kernel and against float64.
+families of docs/design.md §4.1 in ``tests/kernels/test_fsattn_fwd.py``'s GPU tests reach it
+too) and the single-warpgroup one (``kernel="gluon"``, opt-in). Each is checked against the Triton kernel and against float64.
 """
 
 import pytest
