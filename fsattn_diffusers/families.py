@@ -184,7 +184,9 @@ def carries_conditioning(path: str, model) -> bool:
         ancestor = ".".join(parts[:end])
         module = model.get_submodule(ancestor)
         if is_attention_module(module):
-            return is_cross_attention(ancestor, module, model) and parts[-1] not in _CROSS_QUERY_LINEARS
+            # parts[end]: the attention's own child, so that a wrapped layer (an unfused LoRA's
+            # ``to_q.base_layer``) is told apart like the plain one.
+            return is_cross_attention(ancestor, module, model) and parts[end] not in _CROSS_QUERY_LINEARS
     return False
 
 

@@ -110,6 +110,19 @@ def test_fp8_selection_is_the_block_linears_without_the_modulation(family, expec
     assert sorted(names["model"]) == sorted(expected)
 
 
+def test_an_unfused_lora_wraps_layers_without_changing_which_are_fp8():
+    # PEFT wraps each adapted layer (its weights in ``base_layer``); a cross-attention's query
+    # projection must stay in the selection, its K/V out of it, like the plain layers.
+    from peft import LoraConfig
+
+    model, _ = BUILDERS["wan_t2v"]()
+    plain = fp8_linear_names(model)["model"]
+    model.add_adapter(LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"]))
+    wrapped = fp8_linear_names(model)["model"]
+    assert "blocks.0.attn2.to_q.base_layer" in wrapped and "blocks.0.attn2.to_k.base_layer" not in wrapped
+    assert sorted(n.removesuffix(".base_layer") for n in wrapped) == sorted(plain)
+
+
 def test_fp8_conditioning_adds_the_cross_attention_and_the_text_stream():
     wan, _ = BUILDERS["wan_i2v"]()
     conditioning = [f"blocks.{i}.attn2.{p}" for i in (0, 1)
