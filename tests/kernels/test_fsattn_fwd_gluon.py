@@ -197,12 +197,21 @@ def test_auto_runs_the_warp_specialised_kernel_at_head_dims_64_and_128_unless_fe
             return result
 
         monkeypatch.setattr(module, launcher, counted)
+    from fsattn_diffusers.kernels import fsattn_fwd as fwd
+
+    triton_launcher = fwd.fsattn_fwd
+
+    def triton_counted(*args, **kwargs):
+        calls["triton"] = calls.get("triton", 0) + 1
+        return triton_launcher(*args, **kwargs)
+
+    monkeypatch.setattr(fwd, "fsattn_fwd", triton_counted)
     for head_dim in (128, 64, 32):
         q = torch.randn(1, 2048, 2, head_dim, device="cuda", dtype=torch.bfloat16)
         fsattn(q, q, q)
-    assert calls == {"gluon_ws": 2}
+    assert calls == {"gluon_ws": 2, "triton": 1}
     # Cross-attention to 512 keys at head dim 128: the Triton kernel (plan.TRITON_MAX_KEYS).
     q = torch.randn(1, 2048, 2, 128, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, 512, 2, 128, device="cuda", dtype=torch.bfloat16)
     fsattn(q, kv, kv)
-    assert calls == {"gluon_ws": 2}
+    assert calls == {"gluon_ws": 2, "triton": 2}

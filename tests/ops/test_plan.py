@@ -171,7 +171,7 @@ def _run(config, head_dim=64, seq=100):
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, seq, 2, head_dim, generator=gen) for _ in range(3))
     weight = (torch.rand(1, seq, generator=gen) > 0.2).float()
-    plan = ops.call_plan(config, torch.device("cpu"), head_dim)
+    plan = ops.call_plan(config, torch.device("cpu"), head_dim, seq_k=seq)
     ops._run_kernels(plan, config, q, k, v, weight, None, 0.125, q, "NHD")
     return k, v, weight
 
@@ -210,9 +210,10 @@ def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, hea
 
     monkeypatch.setattr(gluon_ws, "launch_operands", record)
     _pretend_hopper(monkeypatch, gluon_ws)
+    config = FSAttnConfig(kernel="gluon_ws")  # by name: "auto" runs the Triton kernel on 100 keys at 128
     with pytest.raises(Recorded):
-        _run(FSAttnConfig(), head_dim=head_dim)
-    assert rows == [ops.call_plan(FSAttnConfig(), torch.device("cuda"), head_dim).block_m]
+        _run(config, head_dim=head_dim)
+    assert rows == [ops.call_plan(config, torch.device("cuda"), head_dim, seq_k=100).block_m]
     assert rows == [{64: 192, 128: 128}[head_dim]]
 
 
