@@ -5,7 +5,7 @@
 * host: the host's time to issue one call, from a CPU clock around bursts of a few calls (16 by
   default: ~80 launches, far from filling the GPU's launch queue, so the host never waits on the
   GPU), the median over many bursts, the GPU drained between bursts. It includes whatever the
-  first calls after a sync cost more (on the H200 the bursts read up to 1.5x the loop below).
+  first calls after a sync cost more (on the H200 the bursts read up to 1.6x the loop below).
 * back to back: wall time per call over many calls in a row, one sync at the end: what a loop of
   calls sustains. Where the kernels' GPU time (below) is far smaller, both measures are the
   host's.

@@ -99,7 +99,7 @@ class FSAttnConfig:
         attend to fewer keys than this run the model's own attention. fsattn quantises every query
         row and writes its LSE whatever the number of keys, so with few keys that fixed cost per
         row outweighs the faster 8-bit GEMMs however many rows there are: cross-attention to 512
-        text tokens measured 0.75x SDPA at Wan2.1-14B 720p (75,600 queries, 40 heads; 0.57x on the
+        text tokens measured 0.75x SDPA at Wan2.1-14B 720p (75,600 queries, 40 heads; 0.54-0.56x on the
         warp-specialised kernel), where it has 2.6x the FLOPs of ``sdpa_below_flops``. The
         default, 4096, is where fsattn won on the H200 with Wan's queries (75,600 x 40 heads and
         32,760 x 12): 1.00x and 0.91x SDPA at 2,048 keys, 1.21x and 1.11x at 4,096 (README,

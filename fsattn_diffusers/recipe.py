@@ -35,9 +35,9 @@ Four parts, each switchable, applied in this order:
      output projection alone in FP8 cost 0.9 dB of the lowest frame (34.2 to 33.3); the K/V
      projections run on the text tokens only (512 rows), a negligible share of the FLOPs. The
      cross-attention's query projection projects the video tokens before any text is mixed in:
-     it is in FP8 (0.05 dB of the lowest frame at 1.3B; 85 ms off a 7.3 s Wan2.1-14B forward).
+     it is in FP8 (0.05 dB of the lowest frame at 1.3B; 84 ms off a 7.3 s Wan2.1-14B forward).
      ``fp8_conditioning=True`` puts the rest in FP8 as well: at 14B the output projection in
-     FP8 took another 75 ms off.
+     FP8 took another 74 ms off.
    * layers whose sizes are not multiples of 16 (``torch._scaled_mm`` needs them; torchao
      would skip them silently).
 

@@ -1,7 +1,8 @@
 """The fused-softmax 8-bit attention forward kernel (Triton), one kernel with constexpr variants.
 
 It runs every call the warp-specialised Gluon kernel does not (fsattn_diffusers/plan.py decides):
-head dims up to 32, float masks, GPUs other than Hopper, and the non-default numerics. Per query
+head dims up to 32, calls with at most 1,024 keys at head dims 65-128 (cross-attention to text),
+float masks, GPUs other than Hopper, and the non-default numerics. Per query
 tile of BLOCK_M rows of one head, with Q, K and V already quantised by ``kernels/quantize.py``
 (docs/design.md §2):
 

@@ -1,6 +1,7 @@
 """The fused-softmax forward in Gluon for Hopper, warp-specialised, with the consumer warpgroups
 taking turns at the tensor cores (FlashAttention-3's ping-pong); the default on sm_90 at head
-dims 33-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8, v10, v11, v14).
+dims 33-128 (``FSAttnConfig(kernel="auto")``; benchmarks/NOTES.md v7, v8, v10, v11, v14), except
+calls with at most 1,024 keys at head dims 65-128, where its pipeline never fills (v18 (e)).
 
 Why: the Triton kernel runs one warpgroup per program, two programs per SM, each issuing its own
 loads (address arithmetic and ``cp.async`` in the softmax's instruction stream), meeting a
