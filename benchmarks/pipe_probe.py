@@ -1,5 +1,4 @@
-"""Which Hopper pipe each softmax instruction issues on, by throughput (DESIGN §2 move 4 asks for
-"confirm with a timing"; NOTES v9).
+"""Which Hopper pipe each softmax instruction issues on, by throughput (benchmarks/NOTES.md v9 (a)).
 
     python benchmarks/pipe_probe.py --out benchmarks/results/x.json      # on the GPU
     python benchmarks/pipe_probe.py --sass [OP ...]                      # here: the SASS of each loop

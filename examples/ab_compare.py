@@ -309,10 +309,11 @@ def main(argv=None) -> dict:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gv.add_model_args(parser)
     parser.add_argument("--baseline", choices=("sdpa", "fsattn"), default="sdpa")
-    parser.add_argument("--candidate", choices=("sdpa", "fsattn"), default=None, help="fsattn (default) or sdpa")
+    parser.add_argument("--candidate", choices=("sdpa", "fsattn"), default=None,
+                        help="fsattn or sdpa (default: fsattn)")
     parser.add_argument("--baseline-config", default=None, help="FSAttnConfig JSON for a fsattn baseline")
     parser.add_argument("--candidate-config", default=None, help="FSAttnConfig JSON for a fsattn candidate")
-    gv.add_fsattn_args(parser)
+    gv.add_fsattn_args(parser, config_help=argparse.SUPPRESS)  # two configs here: --baseline/--candidate-config
     parser.add_argument("--output-dir", default=None, help="default: outputs/ab_<model>")
     parser.add_argument("--diff-gain", type=float, default=10.0, help="amplification of the difference panel")
     parser.add_argument("--lpips-net", default="alex", choices=("alex", "vgg", "squeeze"))

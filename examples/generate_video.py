@@ -8,7 +8,7 @@
     torchrun --nproc-per-node 2 examples/generate_video.py --model wan2.1-t2v-14b --ulysses-degree 2 --no-decode
 
 ``--model`` is a built-in name (fsattn_diffusers.builtin_models: tiny, wan2.1-t2v-1.3b,
-wan2.1-t2v-14b, hunyuanvideo; random weights, nothing downloaded) or a hub id / local folder of a
+wan2.1-t2v-14b, hunyuanvideo, tiny-hunyuanvideo; random weights, nothing downloaded) or a hub id / local folder of a
 Wan or HunyuanVideo diffusers pipeline (``DiffusionPipeline.from_pretrained``). At the end it
 prints the time per step and in total, the attention backend, fsattn's speculative-max
 fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
@@ -71,7 +71,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(builtin_models.BUILTIN_MODELS)
     parser.add_argument("--model", default="tiny",
                         help=f"built-in architecture ({names}; random weights) or a hub id / local path of a Wan or "
-                             "HunyuanVideo diffusers pipeline (default: tiny)")
+                             "HunyuanVideo diffusers pipeline")
     parser.add_argument("--prompt", default="A red panda surfing a wave at sunset, cinematic")
     parser.add_argument("--negative-prompt", default=None, help="Wan only (HunyuanVideo uses embedded guidance)")
     parser.add_argument("--height", type=_positive_int, default=None, help="default: the model's (tiny: 256)")
@@ -125,10 +125,11 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile backend (inductor; eager or aot_eager only trace, for checks)")
 
 
-def add_fsattn_args(parser: argparse.ArgumentParser) -> None:
-    """apply_fsattn's options."""
+def add_fsattn_args(parser: argparse.ArgumentParser, config_help: str | None = None) -> None:
+    """apply_fsattn's options (`config_help`: ``--fsattn-config``'s help, where a script reads it otherwise)."""
     parser.add_argument("--fsattn-config", default=None,
-                        help="FSAttnConfig fields as JSON, or a path to a JSON file, e.g. '{\"pv_format\": \"16bit\"}'")
+                        help=config_help or "FSAttnConfig fields as JSON, or a path to a JSON file, e.g. "
+                                            "'{\"pv_format\": \"16bit\"}'")
     parser.add_argument("--skip-first-steps", type=int, default=0,
                         help="run the first N denoising steps with SDPA (they shape the layout of the video)")
     parser.add_argument("--skip-last-steps", type=int, default=0, help="run the last N steps with SDPA")

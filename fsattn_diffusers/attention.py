@@ -183,7 +183,7 @@ def fsattn(query, key, value, attn_mask=None, scale=None, layout="NHD", return_l
     Notes
     -----
     Supported: bf16, fp16 and fp32 (computed in 8 bits, returned in the input dtype); head dims up
-    to 128 (64, 96 and 128 are tuned); any lengths from 1. On CPU tensors the PyTorch emulation
+    to 128 (tiles tuned at 64 and 128; 96 runs padded to 128); any lengths from 1. On CPU tensors the PyTorch emulation
     of the kernel's numerics runs; on a GPU without FP8 tensor cores (before sm_89) the call runs
     exact attention (SDPA), logged once and counted in :func:`~fsattn_diffusers.stats`.
     ``config.sdpa_below_flops`` and ``config.sdpa_below_keys`` are not applied here: the diffusers

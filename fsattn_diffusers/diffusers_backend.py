@@ -274,8 +274,9 @@ def register_fsattn_backend(*, config: FSAttnConfig | None = None, strict: bool 
     :func:`~fsattn_diffusers.fsattn`. Calls fsattn cannot take (causal, dropout, masks that vary
     over queries, head dim > 128, a GPU without FP8 tensor cores) run on diffusers' native SDPA
     backend, logged once per reason and counted in :func:`~fsattn_diffusers.stats`. The backend
-    supports diffusers' context parallelism (``enable_parallelism`` with Ulysses, ring or both);
-    masked calls under it run on the native backend's context-parallel path.
+    supports diffusers' context parallelism (``enable_parallelism`` with Ulysses, ring or both):
+    key-padding masks run on fsattn under Ulysses; under a ring a masked call raises
+    (:func:`context_parallel_attention`).
 
     Parameters
     ----------

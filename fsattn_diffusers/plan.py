@@ -22,8 +22,8 @@ from .kernels.configs import (EXP_MODE_BITS, EXP_MODE_HALF, EXP_MODE_SFU, FROZEN
 logger = logging.getLogger("fsattn_diffusers")
 
 _EXP_MODES = {0.0: EXP_MODE_SFU, 0.5: EXP_MODE_HALF, 1.0: EXP_MODE_BITS}
-# Sampling the speculative max costs two score tiles per query tile; with this many key tiles or
-# fewer (cross-attention to text) that is most of the work, and the online softmax runs instead.
+# Sampling the speculative max costs two score tiles per query tile; with fewer key tiles than this
+# (cross-attention to text) that is most of the work, and the online softmax runs instead.
 MIN_TILES_FOR_FROZEN_MAX = 5
 
 # At most this many keys (cross-attention to text), `kernel="auto"` runs the Triton kernel at

@@ -167,6 +167,7 @@ def test_bare_install_compares_without_scikit_image_or_matplotlib(ab_compare, mo
     (["--recipe"], r"--fp8-linear \(also part of --recipe\): the transformer runs on cpu"),
     (["--fp8-linear"], r"--fp8-linear \(also part of --recipe\): the transformer runs on cpu"),
     (["--recipe", "--candidate", "sdpa"], "cannot be combined with --candidate sdpa"),
+    (["--fsattn-config", "{}"], "takes --baseline-config / --candidate-config, not --fsattn-config"),
 ])
 def test_what_cannot_run_is_refused_before_any_model_is_loaded(ab_compare, monkeypatch, args, match):
     def load_model(*a, **k):
@@ -175,6 +176,13 @@ def test_what_cannot_run_is_refused_before_any_model_is_loaded(ab_compare, monke
     monkeypatch.setattr(ab_compare.gv, "load_model", load_model)
     with pytest.raises(SystemExit, match=match):
         ab_compare.main([*SMALL, *args])
+
+
+def test_help_lists_the_two_configs_not_generate_videos_one(ab_compare, capsys):
+    with pytest.raises(SystemExit):
+        ab_compare.main(["--help"])
+    shown = capsys.readouterr().out
+    assert "--baseline-config" in shown and "--candidate-config" in shown and "--fsattn-config" not in shown
 
 
 def test_a_missing_video_writer_is_refused_before_any_model_is_loaded(ab_compare, monkeypatch):
