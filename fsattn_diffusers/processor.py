@@ -237,7 +237,16 @@ class FSAttnProcessor:
     diffusers' fused processors in place of this one, and attention leaves fsattn (CogVideoX).
     :func:`~fsattn_diffusers.apply_fsattn` keeps fsattn on through fusing, keeps each module's
     processor state, and can be undone exactly.
+
+    Context parallelism (``enable_parallelism``) sets its configuration on this processor as on
+    diffusers' own, and fsattn runs each rank's share as the ``"fsattn"`` backend does. Set the
+    processor first, as diffusers asks for attention backends; set after ``enable_parallelism``,
+    the model's configuration is taken from the calling model on the first eager call (a model
+    compiled before any eager call would attend over each rank's tokens alone).
     """
+
+    # diffusers' enable_parallelism() sets the model's configuration on processors that have this.
+    _parallel_config = None
 
     def __init__(self, config: FSAttnConfig | None = None, strict: bool = False):
         if config is not None and not isinstance(config, FSAttnConfig):
@@ -249,6 +258,7 @@ class FSAttnProcessor:
         # (module class, own processor class, kind) -> (bound processor, keywords it takes)
         self._bound: dict[tuple, tuple] = {}
         self._module_names: list[str] = []
+        self._looked_for_parallel_model = False
         weakref.finalize(self, release_modules, self._module_names)
         self._prebuild()
 
@@ -259,7 +269,29 @@ class FSAttnProcessor:
         bound, accepted = self._bound_for(attn)
         if accepted is not None:
             kwargs = {name: value for name, value in kwargs.items() if name in accepted}
+        if not self._looked_for_parallel_model and not torch.compiler.is_compiling():
+            self._adopt_parallel_config_of_calling_model(attn)
+        if self._parallel_config is not None and hasattr(bound, "_parallel_config"):
+            bound._parallel_config = self._parallel_config
         return bound(attn, *args, **kwargs)
+
+    def _adopt_parallel_config_of_calling_model(self, attn):
+        """Where enable_parallelism() ran before this processor was set, the calling model holds
+        the configuration that diffusers gave the processors this one replaced."""
+        self._looked_for_parallel_model = True
+        if self._parallel_config is not None:
+            return
+        from diffusers.models.modeling_utils import ModelMixin
+
+        frame = sys._getframe(2)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, ModelMixin) and any(m is attn for m in owner.modules()):
+                parallel = getattr(owner, "_parallel_config", None)
+                if getattr(parallel, "context_parallel_config", None) is not None:
+                    self._parallel_config = parallel
+                return
+            frame = frame.f_back
 
     def _bound_for(self, attn):
         own_cls = getattr(type(attn), "_default_processor_cls", None)

@@ -20,7 +20,8 @@ import torch
 
 def launch(scenarios: dict, world_size: int, device_type: str, out_dir) -> dict:
     """Run `scenarios` (name -> keyword options) in turn on `world_size` spawned ranks; return rank 0's
-    results by name. One spawn for several scenarios: starting a rank (torch, diffusers) costs seconds."""
+    results by name. A name is a function of SCENARIOS, or any name with the function's name as the
+    option ``scenario``. One spawn for several scenarios: starting a rank (torch, diffusers) costs seconds."""
     import torch.multiprocessing as mp
 
     out_dir = str(out_dir)
@@ -44,7 +45,10 @@ def _worker(rank, world_size, device_type, init_file, scenarios, out_dir):
     dist.init_process_group("gloo" if device_type == "cpu" else "nccl", init_method=f"file://{init_file}",
                             rank=rank, world_size=world_size)
     try:
-        result = {name: SCENARIOS[name](rank, world_size, device, **options) for name, options in scenarios.items()}
+        result = {}
+        for name, options in scenarios.items():
+            options = dict(options)
+            result[name] = SCENARIOS[options.pop("scenario", name)](rank, world_size, device, **options)
         if rank == 0:
             torch.save(result, os.path.join(out_dir, "result.pt"))
         dist.barrier()
@@ -99,7 +103,7 @@ def _stats_of_every_rank() -> list[dict]:
 # ----------------------------------------------------------------------------- scenarios
 
 
-def wan_model(rank, world_size, device, *, model, dtype, latent, text_tokens, layouts, qk_gain=1.0):
+def wan_model(rank, world_size, device, *, model, dtype, latent, text_tokens, layouts, qk_gain=1.0, route="backend"):
     """A built-in Wan transformer, single-process (SDPA, fsattn) and under context parallelism.
 
     Parameters
@@ -112,6 +116,10 @@ def wan_model(rank, world_size, device, *, model, dtype, latent, text_tokens, la
         Multiplies the q/k RMSNorm weights: scores grow by its square. Random weights give flat
         attention, under which chunks of keys have nearly equal log-sum-exps and a ring merge
         that weighted them wrongly would go unseen.
+    route : str
+        How fsattn is switched on: ``"backend"`` (``set_attention_backend("fsattn")``),
+        ``"processor_first"`` (``set_attn_processor(FSAttnProcessor())``, then
+        ``enable_parallelism``) or ``"processor_after"`` (the other order).
     """
     from fsattn_diffusers import FSAttnConfig, builtin_models, register_fsattn_backend
 
@@ -130,7 +138,7 @@ def wan_model(rank, world_size, device, *, model, dtype, latent, text_tokens, la
     def build():
         return builtin_models.build_transformer(model, device, dtype, seed=0)
 
-    return _single_and_parallel_runs(build, lambda t: t.blocks, inputs, rank, device, layouts, qk_gain)
+    return _single_and_parallel_runs(build, lambda t: t.blocks, inputs, rank, device, layouts, qk_gain, route)
 
 
 def ltx_model(rank, world_size, device, *, latent, text_tokens, layouts, qk_gain=1.0):
@@ -161,11 +169,13 @@ def ltx_model(rank, world_size, device, *, latent, text_tokens, layouts, qk_gain
     return _single_and_parallel_runs(build, lambda t: t.transformer_blocks, inputs, rank, device, layouts, qk_gain)
 
 
-def _single_and_parallel_runs(build, blocks_of, inputs, rank, device, layouts, qk_gain):
+def _single_and_parallel_runs(build, blocks_of, inputs, rank, device, layouts, qk_gain, route="backend"):
     """The model scenarios' common part: one forward of `build()`'s transformer on SDPA and on fsattn
     in one process (rank 0), then one under each context-parallel layout, with every rank's stats.
-    `blocks_of(transformer)` lists the blocks whose self-attention (``attn1``) gets `qk_gain`."""
+    `blocks_of(transformer)` lists the blocks whose self-attention (``attn1``) gets `qk_gain`;
+    `route`: see :func:`wan_model`."""
     import fsattn_diffusers
+    from fsattn_diffusers import FSAttnConfig, FSAttnProcessor
 
     def prepared(backend):
         transformer = build()
@@ -173,8 +183,16 @@ def _single_and_parallel_runs(build, blocks_of, inputs, rank, device, layouts, q
             for block in blocks_of(transformer):
                 block.attn1.norm_q.weight.mul_(qk_gain)
                 block.attn1.norm_k.weight.mul_(qk_gain)
-        transformer.set_attention_backend(backend)
+        if backend == "fsattn" and route != "backend":
+            if route == "processor_first":
+                transformer.set_attn_processor(FSAttnProcessor(FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=0)))
+        else:
+            transformer.set_attention_backend(backend)
         return transformer
+
+    def processor_after(transformer):
+        if route == "processor_after":
+            transformer.set_attn_processor(FSAttnProcessor(FSAttnConfig(sdpa_below_flops=0, sdpa_below_keys=0)))
 
     def forward(transformer):
         with torch.no_grad():
@@ -184,11 +202,14 @@ def _single_and_parallel_runs(build, blocks_of, inputs, rank, device, layouts, q
     if rank == 0:  # the references need no other rank
         for backend in ("native", "fsattn"):
             transformer = prepared(backend)
+            if backend == "fsattn":
+                processor_after(transformer)
             result["single_" + backend] = forward(transformer)
             del transformer
     for name, (ulysses, ring) in layouts.items():
         transformer = prepared("fsattn")
         enable_context_parallelism(transformer, ulysses, ring)
+        processor_after(transformer)
         if device.type == "cuda":
             forward(transformer)  # warm-up: kernel compilation
         fsattn_diffusers.reset_stats()

@@ -64,6 +64,18 @@ def test_tiny_wan_under_ulysses_and_ring_matches_one_process(tmp_path):
     _check_model_run(result, "ring", ring_steps=2)
 
 
+def test_fsattn_processor_under_context_parallelism_set_before_or_after_matches_one_process(tmp_path):
+    # diffusers' enable_parallelism() configures the processors it finds; FSAttnProcessor set after
+    # it takes the model's configuration on its first call. Without either, each rank would attend
+    # over its own tokens only (far outside these bounds).
+    layouts = {"ulysses": (2, 1), "ring": (1, 2)}
+    results = launch({route: dict(TINY_WAN, scenario="wan_model", layouts=layouts, route=route)
+                      for route in ("processor_first", "processor_after")}, 2, "cpu", tmp_path)
+    for result in results.values():
+        _check_model_run(result, "ulysses", ring_steps=1)
+        _check_model_run(result, "ring", ring_steps=2)
+
+
 def test_tiny_wan_under_ulysses_and_ring_together_on_four_ranks(tmp_path):
     result = launch({"wan_model": dict(TINY_WAN, layouts={"unified": (2, 2)})}, 4, "cpu", tmp_path)["wan_model"]
     _check_model_run(result, "unified", ring_steps=2)
