@@ -161,11 +161,21 @@ def _check_options(fsattn, fsattn_options, fuse_qkv, fp8_linear, fp8_conditionin
             raise TypeError(f"apply_recipe: {name}={value!r}; expected a dict of keyword arguments or None")
     if fsattn_options and not fsattn:
         raise ValueError(f"apply_recipe: fsattn_options={fsattn_options!r} with fsattn=False; they configure fsattn")
-    accepted = {p.name for p in inspect.signature(patch.apply_fsattn).parameters.values() if p.kind is p.KEYWORD_ONLY}
-    unknown = sorted(set(fsattn_options or {}) - accepted)
+    accepted = {p.name: p.default for p in inspect.signature(patch.apply_fsattn).parameters.values()
+                if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(fsattn_options or {}) - set(accepted))
     if unknown:
         raise TypeError(f"apply_recipe: fsattn_options has {unknown}, which apply_fsattn does not take; it takes "
                         f"{sorted(accepted)}")
+    try:  # their values too, before anything changes (apply_fsattn checks them only once it runs)
+        patch._check_options(**{**accepted, **(fsattn_options or {})})
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(str(exc).replace("apply_fsattn:", "apply_recipe: fsattn_options:", 1)) from None
+    takes = set(inspect.signature(torch.compile).parameters) - {"model"}
+    unknown = sorted(set(compile_options or {}) - takes)
+    if unknown:
+        raise TypeError(f"apply_recipe: compile_options has {unknown}, which torch.compile does not take; it takes "
+                        f"{sorted(takes)}")
     fixed = sorted(set(compile_options or {}) & {"fullgraph", "dynamic"})
     if fixed:
         raise ValueError(f"apply_recipe: compile_options sets {fixed}; fullgraph is always True (no graph break) and "

@@ -246,11 +246,18 @@ def test_an_error_midway_puts_everything_back(fp8_on_cpu, monkeypatch):
     (dict(fp8_linear=False, fp8_conditioning=True), ValueError, r"fp8_conditioning=True .* fp8_linear is False"),
     (dict(fp8_linear=False, keep_original_weights=True), ValueError, "fp8_linear is False"),
     (dict(fsattn_options=[("strict", True)]), TypeError, "fsattn_options=.*expected a dict"),
+    (dict(fsattn_options={"config": 1}), TypeError, "apply_recipe: fsattn_options: config must be an FSAttnConfig"),
+    (dict(fsattn_options={"skip_last_steps": -1}), ValueError, "apply_recipe: fsattn_options: skip_last_steps"),
+    (dict(compile_options={"modee": "max-autotune"}), TypeError, r"compile_options has \['modee'\].*torch.compile"),
 ])
-def test_bad_options_name_the_argument(kwargs, error, match):
-    model, _ = BUILDERS["wan_t2v"]()
+def test_bad_options_name_the_argument_and_change_nothing(kwargs, error, match):
+    model, inputs = BUILDERS["wan_t2v"]()
+    apply_fsattn(model)  # an earlier patch, which a refused recipe must leave in place
+    fsattn_diffusers.reset_stats()
     with pytest.raises(error, match=match):
-        apply_recipe(model, **kwargs)
+        apply_recipe(model, **{"fp8_linear": False, **kwargs})  # FP8 would be refused on the CPU first
+    run(model, inputs)
+    assert emulation_calls() > 0
     with pytest.raises(TypeError, match="apply_recipe: pipe_or_model must be"):
         apply_recipe("pipe")
 
