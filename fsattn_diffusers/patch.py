@@ -10,7 +10,10 @@ every transformer call of that step, however many there are (classifier-free gui
 calls, Wan 2.2's two transformers). Counting transformer calls would count CFG twice; tracking the
 timestep passed to the transformer would need a device sync and a hook inside the (possibly
 compiled) forward. The scheduler hook stays outside the model: the compiled graph only reads one
-Python bool, so it compiles at most twice (fsattn on, fsattn off).
+Python bool, so it compiles at most twice (fsattn on, fsattn off). Pipelines that start part-way
+through the schedule (video-to-video, ``strength`` < 1) run fewer steps than ``set_timesteps``
+made; the first ``scheduler.step`` tells where the run started (its timestep's place in the
+schedule), and the last steps are counted from there.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class DenoisingSteps:
     def start(self, total: int) -> None:
         self.step, self.total = 0, total
         self._update()
+
+    def started_at(self, index: int) -> None:
+        """The run began at step `index` of the schedule (strength < 1): `index` fewer steps remain."""
+        if self.total is not None and index > 0:
+            self.total -= index
+            self._update()
 
     def advance(self) -> None:
         self.step += 1
@@ -311,12 +320,26 @@ def _hook_scheduler(scheduler, steps: DenoisingSteps) -> None:
         return result
 
     def step(*args, **kwargs):
+        first = steps.step == 0
         result = original_step(*args, **kwargs)
+        if first:
+            steps.started_at(_schedule_index(scheduler, kwargs.get("timestep", args[1] if len(args) > 1 else None)))
         steps.advance()
         return result
 
     scheduler.set_timesteps, scheduler.step = set_timesteps, step
     scheduler.__dict__[_STEPS_ATTR] = (steps, saved)
+
+
+def _schedule_index(scheduler, timestep) -> int:
+    """Where `timestep` first sits in the scheduler's timesteps (0 if it is not there). Once a run:
+    reading the index back waits for the device."""
+    timesteps = getattr(scheduler, "timesteps", None)
+    if timestep is None or not isinstance(timesteps, torch.Tensor):
+        return 0
+    value = torch.as_tensor(timestep).flatten()[:1].to(timesteps.device, timesteps.dtype)
+    found = (timesteps == value).nonzero()
+    return int(found[0, 0]) if len(found) else 0
 
 
 def _unhook_scheduler(scheduler) -> None:

@@ -113,6 +113,38 @@ def test_steps_count_denoising_steps_not_transformer_calls():
     assert emulation_calls() == 2 * 2 * per_call + 3 * 2 * per_call
 
 
+@pytest.mark.parametrize("begin_index", [False, True])
+def test_a_run_that_starts_part_way_skips_its_own_last_steps(begin_index):
+    # Video-to-video pipelines (strength < 1) loop over the end of the schedule that
+    # set_timesteps made: Wan's slices it, others also tell the scheduler set_begin_index.
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+
+    class PartWay(DiffusionPipeline):
+        def __init__(self, transformer, scheduler):
+            super().__init__()
+            self.register_modules(transformer=transformer, scheduler=scheduler)
+
+        @torch.no_grad()
+        def __call__(self, inputs, steps, strength):
+            self.scheduler.set_timesteps(steps)
+            start = steps - int(steps * strength)
+            if begin_index:
+                self.scheduler.set_begin_index(start)
+            latents, calls = inputs["hidden_states"], []
+            for t in self.scheduler.timesteps[start:]:
+                before = emulation_calls()
+                out = self.transformer(**{**inputs, "hidden_states": latents}, return_dict=False)[0]
+                calls.append(emulation_calls() - before)
+                latents = self.scheduler.step(out, t, latents, return_dict=False)[0]
+            return calls
+
+    model, inputs = BUILDERS["wan_t2v"]()
+    pipe = PartWay(model, FlowMatchEulerDiscreteScheduler())
+    apply_fsattn(pipe, skip_first_steps=1, skip_last_steps=2)
+    assert pipe(inputs, steps=8, strength=0.75) == [0, 4, 4, 4, 0, 0]  # 6 steps: the first and the last two skipped
+    assert pipe(inputs, steps=6, strength=1.0) == [0, 4, 4, 4, 0, 0]  # a new run counts afresh
+
+
 def test_skipped_steps_run_the_original_attention_bit_for_bit():
     pipe = build_wan_pipeline()
     reference = run_wan_pipeline(pipe, steps=3)
