@@ -260,7 +260,9 @@ def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NH
     mask = attn_mask
     while mask is not None and mask.dim() < 4:
         mask = mask.unsqueeze(0)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # SDPA takes a float mask only in the query's dtype; fsattn() takes any float mask.
+    sdpa_mask = mask if mask is None or mask.dtype in (torch.bool, q.dtype) else mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=scale)
     out = torch.nan_to_num(out, nan=0.0)
     out = (out if layout == "HND" else out.transpose(1, 2)).contiguous()
     if not return_lse:

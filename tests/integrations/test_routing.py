@@ -93,7 +93,7 @@ def test_a_strict_route_raises_the_checks_reason():
     assert info.value.reason == "general_mask"
 
 
-@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float", "float64"])  # float64: not the query's dtype
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_exact_attention_lse_in_chunks_matches_float64(monkeypatch, mask_kind, layout):
     # Forced to many row blocks: the fallback never holds the whole score matrix.
@@ -103,8 +103,8 @@ def test_exact_attention_lse_in_chunks_matches_float64(monkeypatch, mask_kind, l
     keep = torch.ones(2, 24, dtype=torch.bool)
     keep[0] = False  # a row whose keys are all masked: zeros and -inf, as the kernels give
     keep[1, 10:] = False
-    mask = {None: None, "bool": keep[:, None, None, :],
-            "float": torch.zeros(2, 1, 1, 24).masked_fill(~keep[:, None, None], float("-inf"))}[mask_kind]
+    float_mask = torch.zeros(2, 1, 1, 24).masked_fill(~keep[:, None, None], float("-inf"))
+    mask = {None: None, "bool": keep[:, None, None, :], "float": float_mask, "float64": float_mask.double()}[mask_kind]
     args = [t if layout == "NHD" else t.transpose(1, 2) for t in (q, k, v)]
     out, lse = exact_attention(*args, mask, layout=layout, return_lse=True)
     qd, kd, vd = (t.double().transpose(1, 2).repeat_interleave(2 if t is not q else 1, 1) for t in (q, k, v))
