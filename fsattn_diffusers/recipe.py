@@ -609,7 +609,8 @@ def recipe_summary(pipe_or_model) -> dict:
     """What :func:`apply_recipe` did, per transformer component (None where it was not applied).
 
     Each entry: ``parts`` (the switches and ``dynamic``), ``fused_modules`` (attention modules
-    running fused projections), ``fp8_linear`` (module names in FP8), ``fused_ffn`` (feed-forwards
+    running fused projections), ``fp8_linear`` (module names this application put in FP8: layers
+    an earlier recipe left in FP8, which stays, are not listed again), ``fused_ffn`` (feed-forwards
     on the one-kernel GELU + FP8 scaling), ``fp8_reversible`` (original weights kept) and
     ``compiled_modules`` (modules compiled regionally).
     """
