@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,8 @@ def refusal(query, key, value, attn_mask=None, scale=None, *, layout="NHD", drop
         return "heads_mismatch", f"{heads} query heads, {kv_heads} key heads, enable_gqa=False"
     if query.shape[3] > MAX_HEAD_DIM:
         return "head_dim", f"head dim {query.shape[3]} is not supported by fsattn (at most {MAX_HEAD_DIM})"
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        return "scale", f"scale must be a real number or None, got {scale!r}"
     if scale is not None and not math.isfinite(scale):
         return "scale", f"scale must be finite, got {scale}"
     if attn_mask is not None:

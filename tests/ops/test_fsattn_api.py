@@ -33,6 +33,13 @@ def test_bad_tensors_raise_clear_errors(change, error, match):
         fsattn(q, k, v)
 
 
+@pytest.mark.parametrize("scale, match", [("0.125", r"scale must be a real number or None, got '0.125'"),
+                                          (True, "scale must be a real number"), (float("nan"), "scale must be finite")])
+def test_a_bad_scale_is_named(scale, match):
+    with pytest.raises(ValueError, match=match):
+        fsattn(*_qkv(), scale=scale)
+
+
 def test_head_count_and_batch_checks():
     q, k, v = _qkv(h=3)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
