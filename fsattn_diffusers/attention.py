@@ -132,8 +132,9 @@ def _mask_refusal(attn_mask, device, bsz, heads, seq_q, seq_k):
             return "mask", (f"attn_mask of shape {shape} is not broadcastable to (B, H, Sq, Sk) = "
                             f"({bsz}, {heads}, {seq_q}, {seq_k}): dim {name} is {got}")
     if (full[1] != 1 and heads != 1) or (full[2] != 1 and seq_q != 1):
-        return "general_mask", (f"attn_mask of shape {shape} varies over heads or queries; fsattn takes key-padding "
-                                "masks broadcastable to (B, 1, 1, Sk)")
+        return "general_mask", (f"attn_mask of shape {shape} has a row per head or per query; fsattn takes "
+                                "key-padding masks broadcastable to (B, 1, 1, Sk) (it does not read a mask to find "
+                                "out whether its rows agree)")
     return None
 
 

@@ -244,8 +244,9 @@ def test_logs_the_backend_of_each_kind_of_attention_and_what_was_kept(caplog):
     assert sorted(lines[1:]) == sorted([
         "fsattn: LTXAttention self-attention (LTXVideoAttnProcessor) runs on fsattn",
         "fsattn: LTXAttention cross-attention (LTXVideoAttnProcessor) runs on SDPA instead of fsattn (reason: "
-        "general_mask): attn_mask of shape (2, 2, 1, 16) varies over heads or queries; fsattn takes key-padding "
-        "masks broadcastable to (B, 1, 1, Sk)",
+        "general_mask): attn_mask of shape (2, 2, 1, 16) has a row per head or per query; fsattn takes "
+        "key-padding masks broadcastable to (B, 1, 1, Sk) (it does not read a mask to find out whether its rows "
+        "agree)",
     ])
 
 

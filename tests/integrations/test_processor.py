@@ -111,8 +111,8 @@ def test_logs_once_per_kind_of_attention_which_backend_it_ran_on(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "fsattn_diffusers"]
     assert lines == [
         "fsattn: Attention attention (AttnProcessor2_0) runs on SDPA instead of fsattn (reason: general_mask): "
-        "attn_mask of shape (2, 2, 24, 24) varies over heads or queries; fsattn takes key-padding masks "
-        "broadcastable to (B, 1, 1, Sk)",
+        "attn_mask of shape (2, 2, 24, 24) has a row per head or per query; fsattn takes key-padding masks "
+        "broadcastable to (B, 1, 1, Sk) (it does not read a mask to find out whether its rows agree)",
         "fsattn: Attention attention (HunyuanVideoAttnProcessor2_0) runs on fsattn",
     ]
     assert fsattn_diffusers.stats()["sdpa_fallbacks"] == {"general_mask": 2}  # counted per call
