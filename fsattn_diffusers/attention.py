@@ -106,7 +106,7 @@ def refusal(query, key, value, attn_mask=None, scale=None, *, layout="NHD", drop
                               key.shape[seq_axis])
         if found is not None:
             return found
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
         return "autograd", ("inputs that require grad: fsattn is forward-only (inference); call it under "
                             "torch.no_grad() or torch.inference_mode()")
     if check_device:

@@ -91,6 +91,10 @@ def test_grad_is_refused_with_a_clear_message():
         fsattn(q, k, v)
     with torch.no_grad():
         assert fsattn(q, k, v).shape == q.shape
+    q.requires_grad_(False)
+    mask = torch.zeros(1, 1, 1, k.shape[1], requires_grad=True)  # a learned bias would get no gradient
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        fsattn(q, k, v, attn_mask=mask)
 
 
 @pytest.mark.parametrize("bad", [dict(max_threshold=0.0), dict(max_threshold=9.0), dict(exp_offload=0.3),
