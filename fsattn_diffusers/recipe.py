@@ -146,6 +146,10 @@ def _targets(pipe_or_model, who: str):
         raise type(exc)(str(exc).replace("apply_fsattn:", f"{who}:", 1)) from None
 
 
+# torch.compile's keyword arguments (read once: a wrapped or patched torch.compile may hide them).
+_COMPILE_KEYWORDS = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
+
+
 def _check_options(fsattn, fsattn_options, fuse_qkv, fp8_linear, fp8_conditioning, fuse_ffn, keep_original_weights,
                    compile, dynamic, compile_options) -> dict:
     for name, value in (("fsattn", fsattn), ("fuse_qkv", fuse_qkv), ("fp8_linear", fp8_linear),
@@ -171,11 +175,10 @@ def _check_options(fsattn, fsattn_options, fuse_qkv, fp8_linear, fp8_conditionin
         patch._check_options(**{**accepted, **(fsattn_options or {})})
     except (TypeError, ValueError) as exc:
         raise type(exc)(str(exc).replace("apply_fsattn:", "apply_recipe: fsattn_options:", 1)) from None
-    takes = set(inspect.signature(torch.compile).parameters) - {"model"}
-    unknown = sorted(set(compile_options or {}) - takes)
+    unknown = sorted(set(compile_options or {}) - _COMPILE_KEYWORDS)
     if unknown:
         raise TypeError(f"apply_recipe: compile_options has {unknown}, which torch.compile does not take; it takes "
-                        f"{sorted(takes)}")
+                        f"{sorted(_COMPILE_KEYWORDS)}")
     fixed = sorted(set(compile_options or {}) & {"fullgraph", "dynamic"})
     if fixed:
         raise ValueError(f"apply_recipe: compile_options sets {fixed}; fullgraph is always True (no graph break) and "
