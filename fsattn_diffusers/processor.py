@@ -279,19 +279,10 @@ class FSAttnProcessor:
         """Where enable_parallelism() ran before this processor was set, the calling model holds
         the configuration that diffusers gave the processors this one replaced."""
         self._looked_for_parallel_model = True
-        if self._parallel_config is not None:
-            return
-        from diffusers.models.modeling_utils import ModelMixin
-
-        frame = sys._getframe(2)
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, ModelMixin) and any(m is attn for m in owner.modules()):
-                parallel = getattr(owner, "_parallel_config", None)
-                if getattr(parallel, "context_parallel_config", None) is not None:
-                    self._parallel_config = parallel
-                return
-            frame = frame.f_back
+        owner = None if self._parallel_config is not None else _calling_model(attn)
+        parallel = getattr(owner, "_parallel_config", None)
+        if getattr(parallel, "context_parallel_config", None) is not None:
+            self._parallel_config = parallel
 
     def _bound_for(self, attn):
         own_cls = getattr(type(attn), "_default_processor_cls", None)
@@ -363,27 +354,33 @@ def _own_processor_classes_from_calling_model(attn):
     family table's answer on each of that model's generic attention modules, and returns the one
     for `attn`.
     """
+    owner = _calling_model(attn)
+    if owner is None:
+        raise RuntimeError(
+            f"FSAttnProcessor: called on a {type(attn).__name__} module outside a diffusers model's forward, so it "
+            "cannot tell which processor diffusers gives that module. Use apply_fsattn(model) instead.")
+    record_own_processor_classes(owner)
+    own = getattr(attn, OWN_PROCESSOR_ATTR, None)
+    if own is None:
+        raise RuntimeError(
+            f"FSAttnProcessor: {type(attn).__name__} modules of {type(owner).__name__} carry no default "
+            "processor and the families table (fsattn_diffusers/families.py) does not say which one "
+            f"{type(owner).__name__} installs, so fsattn cannot run them. Use apply_fsattn(model) instead: "
+            "it keeps each module's own processor.")
+    return own
+
+
+def _calling_model(attn):
+    """The nearest diffusers model on the call stack that has `attn` among its attention modules, or None."""
     from diffusers.models.modeling_utils import ModelMixin
 
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, ModelMixin):
-            modules = families.attention_modules(owner)
-            if any(module is attn for _, module in modules):
-                record_own_processor_classes(owner)
-                own = getattr(attn, OWN_PROCESSOR_ATTR, None)
-                if own is None:
-                    raise RuntimeError(
-                        f"FSAttnProcessor: {type(attn).__name__} modules of {type(owner).__name__} carry no default "
-                        "processor and the families table (fsattn_diffusers/families.py) does not say which one "
-                        f"{type(owner).__name__} installs, so fsattn cannot run them. Use apply_fsattn(model) instead: "
-                        "it keeps each module's own processor.")
-                return own
+        if isinstance(owner, ModelMixin) and any(module is attn for _, module in families.attention_modules(owner)):
+            return owner
         frame = frame.f_back
-    raise RuntimeError(
-        f"FSAttnProcessor: called on a {type(attn).__name__} module outside a diffusers model's forward, so it cannot "
-        "tell which processor diffusers gives that module. Use apply_fsattn(model) instead.")
+    return None
 
 
 def record_own_processor_classes(model) -> None:
