@@ -8,8 +8,8 @@
     torchrun --nproc-per-node 2 examples/generate_video.py --model wan2.1-t2v-14b --ulysses-degree 2 --no-decode
 
 ``--model`` is a built-in name (fsattn_diffusers.builtin_models: tiny, wan2.1-t2v-1.3b,
-wan2.1-t2v-14b, hunyuanvideo, tiny-hunyuanvideo; random weights, nothing downloaded) or a hub id / local folder of a
-Wan or HunyuanVideo diffusers pipeline (``DiffusionPipeline.from_pretrained``). At the end it
+wan2.1-t2v-14b, hunyuanvideo, tiny-hunyuanvideo; random weights, nothing downloaded) or a hub id
+/ local folder of a Wan or HunyuanVideo diffusers pipeline (``DiffusionPipeline.from_pretrained``). At the end it
 prints the time per step and in total, the attention backend, fsattn's speculative-max
 fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
 

@@ -97,8 +97,9 @@ def refusal(query, key, value, attn_mask=None, scale=None, *, layout="NHD", drop
         return "heads_mismatch", f"{heads} query heads, {kv_heads} key heads, enable_gqa=False"
     if query.shape[3] > MAX_HEAD_DIM:
         return "head_dim", f"head dim {query.shape[3]} is not supported by fsattn (at most {MAX_HEAD_DIM})"
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        return "scale", f"scale must be a real number or None, got {scale!r}"
+    if scale is not None and type(scale) is not float:  # every call checks: floats take one test
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            return "scale", f"scale must be a real number or None, got {scale!r}"
     if scale is not None and not math.isfinite(scale):
         return "scale", f"scale must be finite, got {scale}"
     if attn_mask is not None:
@@ -106,7 +107,8 @@ def refusal(query, key, value, attn_mask=None, scale=None, *, layout="NHD", drop
                               key.shape[seq_axis])
         if found is not None:
             return found
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                    or (attn_mask is not None and attn_mask.requires_grad)):
         return "autograd", ("inputs that require grad: fsattn is forward-only (inference); call it under "
                             "torch.no_grad() or torch.inference_mode()")
     if check_device:
@@ -187,9 +189,10 @@ def fsattn(query, key, value, attn_mask=None, scale=None, layout="NHD", return_l
     Notes
     -----
     Supported: bf16, fp16 and fp32 (computed in 8 bits, returned in the input dtype); head dims up
-    to 128 (tiles tuned at 64 and 128; 96 runs padded to 128); any lengths from 1. On CPU tensors the PyTorch emulation
-    of the kernel's numerics runs; on a GPU without FP8 tensor cores (before sm_89) the call runs
-    exact attention (SDPA), logged once and counted in :func:`~fsattn_diffusers.stats`.
+    to 128 (tiles tuned at 64 and 128; 96 runs padded to 128); any lengths from 1. On CPU tensors
+    the PyTorch emulation of the kernel's numerics runs; on a GPU without FP8 tensor cores (before
+    sm_89) the call runs exact attention (SDPA), logged once and counted in
+    :func:`~fsattn_diffusers.stats`.
     ``config.sdpa_below_flops`` and ``config.sdpa_below_keys`` are not applied here: the diffusers
     integrations apply them, this function always runs the kernels. No host synchronisation: it
     can be captured in a CUDA graph.

@@ -168,8 +168,9 @@ def carries_conditioning(path: str, model) -> bool:
 
     True for the layers of a cross-attention module (:func:`is_cross_attention`) that the
     conditioning passes through: its K and V projections (fused or not, and Wan I2V's image
-    projections; a ``to_qkv`` fused across Q, K and V counts as K and V) and its output projection; for joint attention's added projections
-    (``add_q_proj``, ..., ``to_add_out``) and for anything under ``ff_context``. In
+    projections; a ``to_qkv`` fused across Q, K and V counts as K and V) and its output
+    projection; for joint attention's added projections (``add_q_proj``, ..., ``to_add_out``)
+    and for anything under ``ff_context``. In
     cross-attention models (Wan, LTX-Video) the prompt reaches the video tokens only through the
     former, so the error made there is what classifier-free guidance multiplies. Not included:
     a cross-attention's query projection (``to_q``: it projects the video tokens, before any
