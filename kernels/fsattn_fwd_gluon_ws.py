@@ -127,6 +127,9 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # crosses bytes).
 SPEC_OFFSET = gl.constexpr(6.0)
 SPECULATIVE_MAX = True
+# EXPERIMENT (NOTES v20): the warpgroup's "any saturated" vote as one barrier reduction
+# (bar.red.or.pred) instead of an exchange through shared memory and two bar.sync.
+FLAG_VOTE = False
 
 
 @gluon.jit
@@ -168,6 +171,63 @@ def _any_flag(flags):
     every_thread: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
     word = gl.reduce(gl.convert_layout(per_warp, every_thread), 0, _or)
     return (word & -0x7F7F7F80) != 0
+
+
+@gluon.jit
+def _vote_register(c: gl.constexpr, any_scalar):
+    """Declares consumer c's vote predicate (a function-scope PTX register) once, up front."""
+    if c == 0:
+        gl.inline_asm_elementwise(".reg .pred %fsvote0;\n\tmov.b32 $0, $1;", "=r,r", [any_scalar],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    elif c == 1:
+        gl.inline_asm_elementwise(".reg .pred %fsvote1;\n\tmov.b32 $0, $1;", "=r,r", [any_scalar],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise(".reg .pred %fsvote2;\n\tmov.b32 $0, $1;", "=r,r", [any_scalar],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _any_flag_vote(flags, c: gl.constexpr, any_scalar):
+    """As :func:`_any_flag`, the warp's words ORed (REDUX), then one `bar.red.or.pred` over the
+    warpgroup's 128 threads on named barrier 8 + c; the uniform result comes back as a scalar
+    through the predicate register `_vote_register` declared (Triton has no scalar from a tensor
+    without a reduction through shared memory)."""
+    per_warp = gl.reduce(gl.reshape(flags, [4, flags.numel // 4]), 1, _or)
+    if c == 0:
+        gl.inline_asm_elementwise("""{
+        .reg .b32 t;
+        .reg .pred q;
+        and.b32 t, $1, 0x80808080;
+        setp.ne.b32 q, t, 0;
+        bar.red.or.pred %fsvote0, 8, 128, q;
+        mov.b32 $0, 0;
+        }""", "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
+        hit = gl.inline_asm_elementwise("selp.b32 $0, 1, 0, %fsvote0;", "=r,r", [any_scalar], dtype=gl.int32,
+                                        is_pure=False, pack=1)
+    elif c == 1:
+        gl.inline_asm_elementwise("""{
+        .reg .b32 t;
+        .reg .pred q;
+        and.b32 t, $1, 0x80808080;
+        setp.ne.b32 q, t, 0;
+        bar.red.or.pred %fsvote1, 9, 128, q;
+        mov.b32 $0, 0;
+        }""", "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
+        hit = gl.inline_asm_elementwise("selp.b32 $0, 1, 0, %fsvote1;", "=r,r", [any_scalar], dtype=gl.int32,
+                                        is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("""{
+        .reg .b32 t;
+        .reg .pred q;
+        and.b32 t, $1, 0x80808080;
+        setp.ne.b32 q, t, 0;
+        bar.red.or.pred %fsvote2, 10, 128, q;
+        mov.b32 $0, 0;
+        }""", "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
+        hit = gl.inline_asm_elementwise("selp.b32 $0, 1, 0, %fsvote2;", "=r,r", [any_scalar], dtype=gl.int32,
+                                        is_pure=False, pack=1)
+    return hit != 0
 
 
 @gluon.jit
@@ -227,7 +287,8 @@ def _fp8_rounded(p):
 
 @gluon.jit
 def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_stage, ks_tile_ptr,
-                            KS_IN_RING: gl.constexpr):
+                            KS_IN_RING: gl.constexpr, VOTE: gl.constexpr = False, c: gl.constexpr = 0,
+                            any_scalar=0):
     """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
     issued with its speculative P: its saturation flag is reduced over the warpgroup while they
     run, and only a saturated tile waits for them, takes its scores again (the score GEMM
@@ -235,7 +296,11 @@ def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w
     accumulators to its true max and adds the GEMMs of D = P_true - alpha * P_spec, so that
     alpha * (O + P_spec V) + D V is O with the tile's true P (and likewise the row sums); its
     returned tokens are complete. D also carries P_spec's FP8 rounding error, rounded again."""
-    if _any_flag(flags):
+    if VOTE:
+        saturated = _any_flag_vote(flags, c, any_scalar)
+    else:
+        saturated = _any_flag(flags)
+    if saturated:
         acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
         row_layout: gl.constexpr = l_acc.type.layout
         s_layout: gl.constexpr = row_layout.parent
@@ -279,7 +344,7 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
               ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
               q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
-              N_CONSUMERS: gl.constexpr):
+              N_CONSUMERS: gl.constexpr, VOTE: gl.constexpr):
     """Consumer warpgroup `c`: 64 query rows against every key tile.
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
@@ -316,6 +381,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
     q_tile = q_smem.index(c)
     mbarrier.wait(q_bars.index(c), 0)
+    if VOTE:
+        _vote_register(c, n_tiles)
 
     if not KS_IN_RING:
         ks = gl.load(ks_ptr + kv_row + cols)
@@ -344,7 +411,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
-                                                             ks_ptr + kv_row + tile * BLOCK_N, KS_IN_RING)
+                                                             ks_ptr + kv_row + tile * BLOCK_N, KS_IN_RING,
+                                                             VOTE, c, n_tiles)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
@@ -370,7 +438,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
-                                                         ks_ptr + kv_row + last * BLOCK_N, KS_IN_RING)
+                                                         ks_ptr + kv_row + last * BLOCK_N, KS_IN_RING,
+                                                         VOTE, c, n_tiles)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
@@ -387,7 +456,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
-    KS_IN_RING: gl.constexpr,
+    KS_IN_RING: gl.constexpr, VOTE: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -418,7 +487,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     consumer_args = (q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready, empty, turn,
                      qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                      q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                     stride_oh, N_CONSUMERS)
+                     stride_oh, N_CONSUMERS, VOTE)
     producer_args = (q_desc, k_desc, vt_desc, w_desc, ks_src, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready,
                      empty, q_row, kv_row, vt_row, w_row, n_tiles)
     # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
@@ -435,7 +504,8 @@ def _fsattn_fwd_gluon_ws_kernel(
                             (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
+def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX,
+                        flag_vote=None):
     """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`,
     except that `kv` must be quantised with ``pv_key_order="wgmma"`` and ``block_n`` 64 or 128
     (:func:`.configs.gluon_ws_consumers` says how many consumer warpgroups run). `speculative`:
@@ -467,5 +537,8 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=d_pad, STAGES=num_stages,
                                                    CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
                                                    SPECULATIVE=bool(speculative), N_CONSUMERS=consumers,
-                                                   KS_IN_RING=ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
+                                                   KS_IN_RING=ks_in_ring,
+                                                   VOTE=bool(speculative) and bool(FLAG_VOTE if flag_vote is None
+                                                                                    else flag_vote),
+                                                   num_warps=4, enable_fp_fusion=FP_FUSION)
     return out, lse
