@@ -93,6 +93,16 @@ class Build:
     def ptx(self) -> str:
         return self.compiled.asm["ptx"]
 
+    @property
+    def named_barriers(self) -> list[int]:
+        """IDs of the named barriers the build syncs or arrives on (Triton's own and explicit ones)."""
+        return sorted({int(i) for i in re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", self.ptx)})
+
+    @property
+    def vote_barriers(self) -> list[int]:
+        """IDs of the named barriers of `bar.red` reductions (the warp-specialised kernel's vote)."""
+        return sorted({int(i) for i in re.findall(r"\bbar(?:rier)?\.red\.\w+(?:\.\w+)*\s+[%\w]+,\s*(\d+)", self.ptx)})
+
 
 class BuildError(RuntimeError):
     """A kernel that did not compile for sm_90a; `kernel` names it."""
@@ -237,7 +247,8 @@ def matrix_entries():
 
 def run_matrix(entries=None):
     """One row per distinct build of `entries` (default: `matrix_entries()`), keyed "<entry> / <kernel>"
-    by the first entry that launched it: registers, spill bytes and shared memory, or the error."""
+    by the first entry that launched it: registers, spill bytes, shared memory and the named barriers
+    it uses (`bar.sync`/`bar.arrive` IDs, and those of `bar.red` votes), or the error."""
     rows, seen = [], set()
     for entry, build in entries or matrix_entries():
         try:
@@ -251,7 +262,8 @@ def run_matrix(entries=None):
                 continue
             seen.add(b.compiled.hash)
             rows.append({"key": f"{entry} / {b.kernel}", "regs": b.regs, "spill": b.spill,
-                         "smem": b.compiled.metadata.shared})
+                         "smem": b.compiled.metadata.shared, "named_barriers": b.named_barriers,
+                         "vote_barriers": b.vote_barriers})
     return rows
 
 

@@ -26,8 +26,8 @@ thread already holds (:func:`_in_wgmma_order`).
 The softmax is speculative: a tile's exponentials start from the running max of the tiles before
 it, with no row max and no rescale of O in the common path (docs/design.md §2.4). P goes to the
 row-sum and PV GEMMs as soon as it is converted, and whether some P saturated FP8 (a score rose
-too far above that max) is reduced over the warpgroup while they run, off the path from the scores
-to the GEMMs; only such a tile then takes its true max, rescales the accumulators and adds the GEMMs
+too far above that max) is voted on by the warpgroup while they run (one barrier reduction,
+:func:`_any_flag`), off the path from the scores to the GEMMs; only such a tile then takes its true max, rescales the accumulators and adds the GEMMs
 of a correction D = P_true - alpha * P_spec (:func:`_corrected_if_saturated`). No clamped P
 reaches the output.
 
@@ -127,9 +127,6 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # crosses bytes).
 SPEC_OFFSET = gl.constexpr(6.0)
 SPECULATIVE_MAX = True
-# EXPERIMENT (NOTES v20): the warpgroup's "any saturated" vote as one barrier reduction
-# (bar.red.or.pred) instead of an exchange through shared memory and two bar.sync.
-FLAG_VOTE = False
 
 
 @gluon.jit
@@ -162,71 +159,60 @@ def _to_fp8_words(p):
         "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [p], dtype=(gl.int32, gl.int32), is_pure=True, pack=4)
 
 
-@gluon.jit
-def _any_flag(flags):
-    """Whether a byte top bit is set in any of the warpgroup's flag words (0x80808080 below)."""
-    # Per row inside each warp, then per warp, then one exchange of the four warps' words through
-    # shared memory: Triton's reduction of the whole tensor took three barriers (NOTES v9).
-    per_warp = gl.reduce(gl.reshape(flags, [4, flags.numel // 4]), 1, _or)
-    every_thread: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    word = gl.reduce(gl.convert_layout(per_warp, every_thread), 0, _or)
-    return (word & -0x7F7F7F80) != 0
+# The warpgroup's vote on its flags: one `bar.red.or.pred` of its 128 threads on named barrier
+# VOTE_BARRIER + c (Triton's own named barriers for three partitions stay below 8: checked by
+# compile_check on Triton 3.6, 3.7 and 3.9). Triton makes a scalar from a tensor only by a reduction,
+# which crosses warps through shared memory (a store, a bar.sync, a load, and a bar.sync before
+# the buffer is written again; NOTES v9, v20), so the uniform result travels in a predicate
+# register of consumer c that the asm declares at function scope (`_declare_vote`) and a scalar asm
+# reads. On the H200 it measured bit-equal and +4 % at head dim 64, a tie at 128 (NOTES v20).
+VOTE_BARRIER = 8
+
+
+def _vote_asm(c):
+    declare = f".reg .pred %fsattn_vote{c};\n\tmov.b32 $0, $1;"
+    vote = ("{\n\t.reg .b32 t;\n\t.reg .pred q;\n\tand.b32 t, $1, 0x80808080;\n\tsetp.ne.b32 q, t, 0;\n\t"
+            f"bar.red.or.pred %fsattn_vote{c}, {VOTE_BARRIER + c}, 128, q;\n\tmov.b32 $0, 0;\n\t}}")
+    read = f"selp.b32 $0, 1, 0, %fsattn_vote{c};"
+    return gl.constexpr(declare), gl.constexpr(vote), gl.constexpr(read)
+
+
+_DECLARE_0, _VOTE_0, _READ_0 = _vote_asm(0)
+_DECLARE_1, _VOTE_1, _READ_1 = _vote_asm(1)
+_DECLARE_2, _VOTE_2, _READ_2 = _vote_asm(2)
 
 
 @gluon.jit
-def _vote_register(c: gl.constexpr, any_scalar):
-    """Declares consumer c's vote predicate (a function-scope PTX register) once, up front."""
+def _scalar_asm(asm: gl.constexpr, scalar):
+    """`asm` run once per thread on a scalar, with side effects (kept in program order)."""
+    return gl.inline_asm_elementwise(asm, "=r,r", [scalar], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _declare_vote(c: gl.constexpr, any_scalar):
+    """Declares consumer c's vote register; called once, before its loop."""
     if c == 0:
-        gl.inline_asm_elementwise(".reg .pred %fsvote0;\n\tmov.b32 $0, $1;", "=r,r", [any_scalar],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        _scalar_asm(_DECLARE_0, any_scalar)
     elif c == 1:
-        gl.inline_asm_elementwise(".reg .pred %fsvote1;\n\tmov.b32 $0, $1;", "=r,r", [any_scalar],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        _scalar_asm(_DECLARE_1, any_scalar)
     else:
-        gl.inline_asm_elementwise(".reg .pred %fsvote2;\n\tmov.b32 $0, $1;", "=r,r", [any_scalar],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        _scalar_asm(_DECLARE_2, any_scalar)
 
 
 @gluon.jit
-def _any_flag_vote(flags, c: gl.constexpr, any_scalar):
-    """As :func:`_any_flag`, the warp's words ORed (REDUX), then one `bar.red.or.pred` over the
-    warpgroup's 128 threads on named barrier 8 + c; the uniform result comes back as a scalar
-    through the predicate register `_vote_register` declared (Triton has no scalar from a tensor
-    without a reduction through shared memory)."""
+def _any_flag(flags, c: gl.constexpr, any_scalar):
+    """Whether a byte top bit is set in any of consumer c's flag words (0x80808080): each warp's
+    words ORed (REDUX), then the warpgroup's vote (above). `any_scalar`: any int32 scalar."""
     per_warp = gl.reduce(gl.reshape(flags, [4, flags.numel // 4]), 1, _or)
     if c == 0:
-        gl.inline_asm_elementwise("""{
-        .reg .b32 t;
-        .reg .pred q;
-        and.b32 t, $1, 0x80808080;
-        setp.ne.b32 q, t, 0;
-        bar.red.or.pred %fsvote0, 8, 128, q;
-        mov.b32 $0, 0;
-        }""", "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
-        hit = gl.inline_asm_elementwise("selp.b32 $0, 1, 0, %fsvote0;", "=r,r", [any_scalar], dtype=gl.int32,
-                                        is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_VOTE_0, "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
+        hit = _scalar_asm(_READ_0, any_scalar)
     elif c == 1:
-        gl.inline_asm_elementwise("""{
-        .reg .b32 t;
-        .reg .pred q;
-        and.b32 t, $1, 0x80808080;
-        setp.ne.b32 q, t, 0;
-        bar.red.or.pred %fsvote1, 9, 128, q;
-        mov.b32 $0, 0;
-        }""", "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
-        hit = gl.inline_asm_elementwise("selp.b32 $0, 1, 0, %fsvote1;", "=r,r", [any_scalar], dtype=gl.int32,
-                                        is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_VOTE_1, "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
+        hit = _scalar_asm(_READ_1, any_scalar)
     else:
-        gl.inline_asm_elementwise("""{
-        .reg .b32 t;
-        .reg .pred q;
-        and.b32 t, $1, 0x80808080;
-        setp.ne.b32 q, t, 0;
-        bar.red.or.pred %fsvote2, 10, 128, q;
-        mov.b32 $0, 0;
-        }""", "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
-        hit = gl.inline_asm_elementwise("selp.b32 $0, 1, 0, %fsvote2;", "=r,r", [any_scalar], dtype=gl.int32,
-                                        is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_VOTE_2, "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
+        hit = _scalar_asm(_READ_2, any_scalar)
     return hit != 0
 
 
@@ -286,21 +272,16 @@ def _fp8_rounded(p):
 
 
 @gluon.jit
-def _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_stage, ks_tile_ptr,
-                            KS_IN_RING: gl.constexpr, VOTE: gl.constexpr = False, c: gl.constexpr = 0,
-                            any_scalar=0):
+def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile,
+                            ks_stage, ks_tile_ptr, n_tiles, KS_IN_RING: gl.constexpr):
     """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
-    issued with its speculative P: its saturation flag is reduced over the warpgroup while they
-    run, and only a saturated tile waits for them, takes its scores again (the score GEMM
+    issued with its speculative P (consumer c's; `n_tiles`: any scalar for the vote): its
+    saturation flag is voted on by the warpgroup while they run, and only a saturated tile waits for them, takes its scores again (the score GEMM
     re-issued: keeping them would hold 32 or 64 registers across the GEMMs; spills), rescales the
     accumulators to its true max and adds the GEMMs of D = P_true - alpha * P_spec, so that
     alpha * (O + P_spec V) + D V is O with the tile's true P (and likewise the row sums); its
     returned tokens are complete. D also carries P_spec's FP8 rounding error, rounded again."""
-    if VOTE:
-        saturated = _any_flag_vote(flags, c, any_scalar)
-    else:
-        saturated = _any_flag(flags)
-    if saturated:
+    if _any_flag(flags, c, n_tiles):
         acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
         row_layout: gl.constexpr = l_acc.type.layout
         s_layout: gl.constexpr = row_layout.parent
@@ -344,7 +325,7 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
               ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
               q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
-              N_CONSUMERS: gl.constexpr, VOTE: gl.constexpr):
+              N_CONSUMERS: gl.constexpr):
     """Consumer warpgroup `c`: 64 query rows against every key tile.
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
@@ -381,8 +362,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
     q_tile = q_smem.index(c)
     mbarrier.wait(q_bars.index(c), 0)
-    if VOTE:
-        _vote_register(c, n_tiles)
+    if SPECULATIVE:
+        _declare_vote(c, n_tiles)
 
     if not KS_IN_RING:
         ks = gl.load(ks_ptr + kv_row + cols)
@@ -408,11 +389,10 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
                               use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
         if SPECULATIVE:
-            m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile,
+            m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
-                                                             ks_ptr + kv_row + tile * BLOCK_N, KS_IN_RING,
-                                                             VOTE, c, n_tiles)
+                                                             ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
@@ -435,11 +415,10 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
     if SPECULATIVE:
-        m, l_acc, o_tok, l_tok = _corrected_if_saturated(flags, qs, m, l_acc, o_tok, l_tok, q_tile,
+        m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
-                                                         ks_ptr + kv_row + last * BLOCK_N, KS_IN_RING,
-                                                         VOTE, c, n_tiles)
+                                                         ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
@@ -456,7 +435,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
-    KS_IN_RING: gl.constexpr, VOTE: gl.constexpr,
+    KS_IN_RING: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -487,7 +466,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     consumer_args = (q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready, empty, turn,
                      qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                      q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                     stride_oh, N_CONSUMERS, VOTE)
+                     stride_oh, N_CONSUMERS)
     producer_args = (q_desc, k_desc, vt_desc, w_desc, ks_src, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready,
                      empty, q_row, kv_row, vt_row, w_row, n_tiles)
     # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
@@ -504,8 +483,7 @@ def _fsattn_fwd_gluon_ws_kernel(
                             (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX,
-                        flag_vote=None):
+def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
     """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`,
     except that `kv` must be quantised with ``pv_key_order="wgmma"`` and ``block_n`` 64 or 128
     (:func:`.configs.gluon_ws_consumers` says how many consumer warpgroups run). `speculative`:
@@ -537,8 +515,5 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=d_pad, STAGES=num_stages,
                                                    CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
                                                    SPECULATIVE=bool(speculative), N_CONSUMERS=consumers,
-                                                   KS_IN_RING=ks_in_ring,
-                                                   VOTE=bool(speculative) and bool(FLAG_VOTE if flag_vote is None
-                                                                                    else flag_vote),
-                                                   num_warps=4, enable_fp_fusion=FP_FUSION)
+                                                   KS_IN_RING=ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
     return out, lse

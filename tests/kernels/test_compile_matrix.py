@@ -9,6 +9,7 @@ at head dims 128 and 64. After a deliberate change, refresh the baseline from th
 from ``python benchmarks/compile_check.py --matrix --json`` under each release.
 """
 
+import functools
 import json
 import os
 import re
@@ -32,12 +33,13 @@ def _kernels_in_sources():
     return found
 
 
+@functools.lru_cache(maxsize=None)  # one subprocess per release for both tests
 def _matrix(version):
     done = run(version, [os.path.join("benchmarks", "compile_check.py"), "--matrix", "--json"], timeout=1800)
     assert done.returncode == 0, f"compile_check --matrix under Triton {version} failed:\n{done.stderr[-4000:]}"
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert rows and {r["triton"] for r in rows} == {version}, done.stdout[-2000:]
-    return rows
+    return tuple(rows)
 
 
 @pytest.mark.parametrize("version", RELEASES)
@@ -62,3 +64,19 @@ def test_every_kernel_compiles_for_sm90_without_new_spills(version):
     missing = [f"{k} (kernels/{file})" for file, k in _kernels_in_sources() if k not in compiled]
     assert not missing, ("no entry of compile_check.matrix_entries() launches " + ", ".join(missing)
                          + ": add one that calls its launcher")
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_the_saturation_vote_has_named_barriers_of_its_own(version):
+    # The warp-specialised kernel's vote (bar.red on barrier VOTE_BARRIER + consumer) must not
+    # share an ID with a barrier Triton allocates: a shared ID would mix two barriers' arrivals.
+    with open(os.path.join(ROOT, "kernels", "fsattn_fwd_gluon_ws.py")) as f:
+        first = int(re.search(r"^VOTE_BARRIER = (\d+)", f.read(), re.M).group(1))
+    rows = [r for r in _matrix(version) if "error" not in r and r["key"].split(" / ")[1] == "_fsattn_fwd_gluon_ws_kernel"]
+    assert rows, f"Triton {version}: no warp-specialised build in the matrix"
+    for r in rows:
+        consumers = 2 if "d128 n128" in r["key"] else 3
+        assert r["vote_barriers"] == list(range(first, first + consumers)), (r["key"], r["vote_barriers"])
+        clash = [i for i in r["named_barriers"] if i >= first]
+        assert not clash, (f"Triton {version}, {r['key']}: Triton's own named barriers {r['named_barriers']} reach "
+                           f"the vote's ({first} and up)")
