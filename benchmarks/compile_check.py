@@ -96,7 +96,8 @@ class Build:
     @property
     def named_barriers(self) -> list[int]:
         """IDs of the named barriers the build syncs or arrives on (Triton's own and explicit ones)."""
-        return sorted({int(i) for i in re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", self.ptx)})
+        found = re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", self.ptx)
+        return sorted({int(i) for i in found})
 
     @property
     def vote_barriers(self) -> list[int]:

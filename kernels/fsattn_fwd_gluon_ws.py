@@ -27,9 +27,9 @@ The softmax is speculative: a tile's exponentials start from the running max of 
 it, with no row max and no rescale of O in the common path (docs/design.md §2.4). P goes to the
 row-sum and PV GEMMs as soon as it is converted, and whether some P saturated FP8 (a score rose
 too far above that max) is voted on by the warpgroup while they run (one barrier reduction,
-:func:`_any_flag`), off the path from the scores to the GEMMs; only such a tile then takes its true max, rescales the accumulators and adds the GEMMs
-of a correction D = P_true - alpha * P_spec (:func:`_corrected_if_saturated`). No clamped P
-reaches the output.
+:func:`_any_flag`), off the path from the scores to the GEMMs; only such a tile then takes its
+true max, rescales the accumulators and adds the GEMMs of a correction D = P_true - alpha *
+P_spec (:func:`_corrected_if_saturated`). No clamped P reaches the output.
 
 At head dim 128 two consumer warpgroups on 128-key tiles are the default: with the check after the
 GEMM issue they measured 1-3 % faster than three on 64-key tiles at every head-dim-128 shape (NOTES
@@ -160,12 +160,13 @@ def _to_fp8_words(p):
 
 
 # The warpgroup's vote on its flags: one `bar.red.or.pred` of its 128 threads on named barrier
-# VOTE_BARRIER + c (Triton's own named barriers for three partitions stay below 8: checked by
-# compile_check on Triton 3.6, 3.7 and 3.9). Triton makes a scalar from a tensor only by a reduction,
-# which crosses warps through shared memory (a store, a bar.sync, a load, and a bar.sync before
-# the buffer is written again; NOTES v9, v20), so the uniform result travels in a predicate
-# register of consumer c that the asm declares at function scope (`_declare_vote`) and a scalar asm
-# reads. On the H200 it measured bit-equal and +4 % at head dim 64, a tie at 128 (NOTES v20).
+# VOTE_BARRIER + c (Triton's own named barriers for three partitions stay below 8 on Triton 3.6,
+# 3.7 and 3.9: tests/kernels/test_compile_matrix.py checks it). Triton makes a scalar from a
+# tensor only by a reduction, which crosses warps through shared memory (a store, a bar.sync, a
+# load, and a bar.sync before the buffer is written again; NOTES v9, v20), so the uniform result
+# travels in a predicate register of consumer c that the asm declares at function scope
+# (`_declare_vote`) and a scalar asm reads. On the H200 it measured bit-equal and +4 % at head
+# dim 64, a tie at 128 (NOTES v20).
 VOTE_BARRIER = 8
 
 
@@ -276,11 +277,12 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
                             ks_stage, ks_tile_ptr, n_tiles, KS_IN_RING: gl.constexpr):
     """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
     issued with its speculative P (consumer c's; `n_tiles`: any scalar for the vote): its
-    saturation flag is voted on by the warpgroup while they run, and only a saturated tile waits for them, takes its scores again (the score GEMM
-    re-issued: keeping them would hold 32 or 64 registers across the GEMMs; spills), rescales the
-    accumulators to its true max and adds the GEMMs of D = P_true - alpha * P_spec, so that
-    alpha * (O + P_spec V) + D V is O with the tile's true P (and likewise the row sums); its
-    returned tokens are complete. D also carries P_spec's FP8 rounding error, rounded again."""
+    saturation flag is voted on by the warpgroup while they run, and only a saturated tile waits
+    for them, takes its scores again (the score GEMM re-issued: keeping them would hold 32 or 64
+    registers across the GEMMs; spills), rescales the accumulators to its true max and adds the
+    GEMMs of D = P_true - alpha * P_spec, so that alpha * (O + P_spec V) + D V is O with the
+    tile's true P (and likewise the row sums); its returned tokens are complete. D also carries
+    P_spec's FP8 rounding error, rounded again."""
     if _any_flag(flags, c, n_tiles):
         acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
         row_layout: gl.constexpr = l_acc.type.layout

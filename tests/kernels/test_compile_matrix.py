@@ -72,7 +72,8 @@ def test_the_saturation_vote_has_named_barriers_of_its_own(version):
     # share an ID with a barrier Triton allocates: a shared ID would mix two barriers' arrivals.
     with open(os.path.join(ROOT, "kernels", "fsattn_fwd_gluon_ws.py")) as f:
         first = int(re.search(r"^VOTE_BARRIER = (\d+)", f.read(), re.M).group(1))
-    rows = [r for r in _matrix(version) if "error" not in r and r["key"].split(" / ")[1] == "_fsattn_fwd_gluon_ws_kernel"]
+    rows = [r for r in _matrix(version)
+            if "error" not in r and r["key"].split(" / ")[1] == "_fsattn_fwd_gluon_ws_kernel"]
     assert rows, f"Triton {version}: no warp-specialised build in the matrix"
     for r in rows:
         consumers = 2 if "d128 n128" in r["key"] else 3
