@@ -254,7 +254,9 @@ def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NH
     """Exact attention with fsattn's conventions: SDPA for the output, and the natural-log LSE.
 
     The fallback wherever the kernels cannot run, and the ring's op for calls fsattn refuses. A
-    row whose keys are all masked gives zeros and ``-inf`` LSE, as the kernels do (SDPA: NaN).
+    float mask masks a key as :func:`fsattn` reads it (a value :data:`MASKED_BIAS_GAP` or more
+    below the largest of its row), and a row whose keys are all masked gives zeros and ``-inf``
+    LSE, as the kernels do (SDPA: NaN; and a row of ``finfo.min`` alone would be attended evenly).
     The LSE is computed from float32 scores in blocks of query rows (at most
     :data:`EXACT_LSE_SCORES` scores at once), never the whole score matrix.
 
@@ -267,6 +269,8 @@ def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NH
     mask = attn_mask
     while mask is not None and mask.dim() < 4:
         mask = mask.unsqueeze(0)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.masked_fill(mask <= mask.amax(-1, keepdim=True) - MASKED_BIAS_GAP, float("-inf"))
     # SDPA takes a float mask only in the query's dtype; fsattn() takes any float mask.
     sdpa_mask = mask if mask is None or mask.dtype in (torch.bool, q.dtype) else mask.to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=scale)

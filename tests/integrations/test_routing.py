@@ -121,3 +121,29 @@ def test_exact_attention_lse_in_chunks_matches_float64(monkeypatch, mask_kind, l
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-5, rtol=1e-5)
     if mask is not None:
         assert out[0].abs().max() == 0
+
+
+@pytest.mark.parametrize("masked_value", ["finfo_min", "-1e4"])
+def test_exact_attention_reads_a_float_mask_as_the_kernels_do(masked_value):
+    # fsattn() masks a key whose value is MASKED_BIAS_GAP or more below the largest of its row. In
+    # float32, finfo.min - 1000 is finfo.min: a row all at diffusers' padding value is fully
+    # masked (zeros, -inf LSE), and the fallback must say the same, not attend evenly as SDPA
+    # does. A row all at -1e4 is only shifted: both attend evenly.
+    q, k, v = _qkv(s=24, h=4)
+    value = torch.finfo(torch.float32).min if masked_value == "finfo_min" else -1e4
+    mask = torch.zeros(2, 1, 1, 24)
+    mask[0] = value
+    mask[1, ..., 10:] = value
+    out, lse = exact_attention(q, k, v, mask, return_lse=True)
+    kernel_out, kernel_lse = fsattn(q, k, v, attn_mask=mask, return_lse=True)
+    if masked_value == "finfo_min":
+        assert out[0].abs().max() == 0 and torch.isneginf(lse[0]).all()
+    else:
+        even = exact_attention(q[:1], k[:1], v[:1], return_lse=True)
+        torch.testing.assert_close(out[:1], even[0], atol=2e-3, rtol=0)  # float32 scores shifted by 1e4
+        torch.testing.assert_close(lse[:1], even[1] + value, atol=1e-2, rtol=1e-6)
+    assert torch.equal(torch.isneginf(kernel_lse), torch.isneginf(lse))
+    ref = exact_attention(q[1:], k[1:, :10], v[1:, :10], return_lse=True)
+    torch.testing.assert_close(out[1:], ref[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse[1:], ref[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel_out, out, atol=0.05, rtol=0)
