@@ -96,10 +96,10 @@ def common_path(sass: str, span):
     return counts, body
 
 
-def positions(body, prefixes=("WARPGROUP.ARRIVE", "STS")) -> dict:
+def positions(body, prefixes=("WARPGROUP.ARRIVE", "BAR.RED", "STS")) -> dict:
     """Where in a common path the instructions with each prefix are (indices), to check an order:
-    the speculative max's flag exchange (STS) after the row-sum and PV GEMMs' issue (a
-    WARPGROUP.ARRIVE each) and before the next score GEMM's."""
+    the speculative max's vote on its saturation flag (BAR.RED) after the row-sum and PV GEMMs'
+    issue (a WARPGROUP.ARRIVE each) and before the next score GEMM's; any shared-memory store."""
     texts = [_unpredicated(ins) for ins in body]
     return {p: [i for i, t in enumerate(texts) if t.startswith(p)] for p in prefixes}
 

@@ -46,8 +46,10 @@ def test_each_consumer_issues_p_to_its_gemms_before_checking_it(block_n, consume
         # One exponential per score (64 rows x block_n keys over 128 threads) and no row max: the
         # speculative max's common path.
         assert counts["MUFU"] == block_n // 2 and counts["FMNMX"] == 0, counts
-        # Three GEMM groups per tile (row sum, PV, next scores); the saturation flag is exchanged
-        # between warps (STS) after the first two are issued and before the third.
-        arrives, (sts,) = at["WARPGROUP.ARRIVE"], at["STS"]
+        # Three GEMM groups per tile (row sum, PV, next scores); the warpgroup votes on the
+        # saturation flag (one BAR.RED, no exchange through shared memory) after the first two are
+        # issued and before the third.
+        arrives, (vote,) = at["WARPGROUP.ARRIVE"], at["BAR.RED"]
         assert len(arrives) == 3, at
-        assert arrives[1] < sts < arrives[2], at
+        assert arrives[1] < vote < arrives[2], at
+        assert counts["STS"] == 0 and not at["STS"], (counts, at)
