@@ -250,6 +250,15 @@ def _exact_fallback(query, key, value, attn_mask, scale, layout, return_lse, rea
     return exact_attention(query, key, value, attn_mask, scale=scale, layout=layout, return_lse=return_lse)
 
 
+def _gap_masked(mask: torch.Tensor) -> torch.Tensor:
+    """A float mask with -inf wherever :func:`key_mask`'s rule masks (a value MASKED_BIAS_GAP or
+    more below the largest of its row, the threshold in float32 as there). Dimensions the mask
+    only broadcasts over (stride 0) stay broadcast: a per-key mask is never expanded per query."""
+    stored = mask[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in mask.stride())]
+    threshold = stored.amax(-1, keepdim=True).float() - MASKED_BIAS_GAP
+    return stored.masked_fill(stored <= threshold, float("-inf")).expand(mask.shape)
+
+
 def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NHD", return_lse=False):
     """Exact attention with fsattn's conventions: SDPA for the output, and the natural-log LSE.
 
@@ -270,7 +279,7 @@ def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NH
     while mask is not None and mask.dim() < 4:
         mask = mask.unsqueeze(0)
     if mask is not None and mask.dtype != torch.bool:
-        mask = mask.masked_fill(mask <= mask.amax(-1, keepdim=True) - MASKED_BIAS_GAP, float("-inf"))
+        mask = _gap_masked(mask)
     # SDPA takes a float mask only in the query's dtype; fsattn() takes any float mask.
     sdpa_mask = mask if mask is None or mask.dtype in (torch.bool, q.dtype) else mask.to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=scale)

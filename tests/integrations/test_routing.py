@@ -123,27 +123,43 @@ def test_exact_attention_lse_in_chunks_matches_float64(monkeypatch, mask_kind, l
         assert out[0].abs().max() == 0
 
 
-@pytest.mark.parametrize("masked_value", ["finfo_min", "-1e4"])
-def test_exact_attention_reads_a_float_mask_as_the_kernels_do(masked_value):
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("masked_value", ["finfo_min", "-1e4", "-1e9"])
+def test_exact_attention_reads_a_float_mask_as_the_kernels_do(masked_value, mask_dtype):
     # fsattn() masks a key whose value is MASKED_BIAS_GAP or more below the largest of its row. In
     # float32, finfo.min - 1000 is finfo.min: a row all at diffusers' padding value is fully
     # masked (zeros, -inf LSE), and the fallback must say the same, not attend evenly as SDPA
-    # does. A row all at -1e4 is only shifted: both attend evenly.
+    # does. A row all at -1e4 or -1e9 is only shifted (in float32, as fsattn() compares, also
+    # for a bfloat16 mask, where -1e9 - 1000 would round back to -1e9): both attend evenly.
     q, k, v = _qkv(s=24, h=4)
-    value = torch.finfo(torch.float32).min if masked_value == "finfo_min" else -1e4
-    mask = torch.zeros(2, 1, 1, 24)
+    value = torch.finfo(mask_dtype).min if masked_value == "finfo_min" else float(masked_value)
+    mask = torch.zeros(2, 1, 1, 24, dtype=mask_dtype)
     mask[0] = value
     mask[1, ..., 10:] = value
     out, lse = exact_attention(q, k, v, mask, return_lse=True)
     kernel_out, kernel_lse = fsattn(q, k, v, attn_mask=mask, return_lse=True)
     if masked_value == "finfo_min":
         assert out[0].abs().max() == 0 and torch.isneginf(lse[0]).all()
-    else:
+    else:  # attended (at -1e9 the float32 scores keep no precision: only that it is attended)
+        assert out[0].abs().max() > 0 and torch.isfinite(lse[0]).all()
+    if masked_value == "-1e4":
         even = exact_attention(q[:1], k[:1], v[:1], return_lse=True)
         torch.testing.assert_close(out[:1], even[0], atol=2e-3, rtol=0)  # float32 scores shifted by 1e4
-        torch.testing.assert_close(lse[:1], even[1] + value, atol=1e-2, rtol=1e-6)
+        torch.testing.assert_close(lse[:1], even[1] + mask[0, 0, 0, 0].float(), atol=1e-2, rtol=1e-6)
     assert torch.equal(torch.isneginf(kernel_lse), torch.isneginf(lse))
     ref = exact_attention(q[1:], k[1:, :10], v[1:, :10], return_lse=True)
     torch.testing.assert_close(out[1:], ref[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse[1:], ref[1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernel_out, out, atol=0.05, rtol=0)
+    rows = slice(1, 2) if masked_value == "-1e9" else slice(0, 2)
+    torch.testing.assert_close(kernel_out[rows], out[rows], atol=0.05, rtol=0)
+
+
+def test_exact_attention_keeps_a_per_key_mask_broadcast():
+    # The gap rule runs on the mask's stored values: a (B, 1, 1, Sk) mask expanded over queries and
+    # heads stays a view, not a B x H x Sq x Sk copy, and reads as the compact mask does.
+    q, k, v = _qkv(s=24, h=4)
+    compact = torch.zeros(2, 1, 1, 24)
+    compact[1, ..., 10:] = torch.finfo(torch.float32).min
+    expanded = compact.expand(2, 4, 24, 24)
+    assert attention._gap_masked(expanded).stride()[1:3] == (0, 0)
+    torch.testing.assert_close(exact_attention(q, k, v, expanded), exact_attention(q, k, v, compact))
