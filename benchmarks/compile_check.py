@@ -96,7 +96,7 @@ class Build:
     @property
     def named_barriers(self) -> list[int]:
         """IDs of the named barriers the build syncs or arrives on (Triton's own and explicit ones)."""
-        found = re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", self.ptx)
+        found = re.findall(r"\b(?:bar|barrier)(?:\.cta)?\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", self.ptx)
         return sorted({int(i) for i in found})
 
     @property

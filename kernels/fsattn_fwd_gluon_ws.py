@@ -165,8 +165,10 @@ def _to_fp8_words(p):
 # tensor only by a reduction, which crosses warps through shared memory (a store, a bar.sync, a
 # load, and a bar.sync before the buffer is written again; NOTES v9, v20), so the uniform result
 # travels in a predicate register of consumer c that the asm declares at function scope
-# (`_declare_vote`) and a scalar asm reads. On the H200 it measured bit-equal and +4 % at head
-# dim 64, a tie at 128 (NOTES v20).
+# (`_declare_vote`) and a scalar asm reads. That declaration must reach ptxas exactly once and
+# before the votes (LLVM keeps side-effecting asm in order and does not duplicate it here; a
+# duplicate would be a ptxas error, which the compile matrix would show). On the H200 it
+# measured bit-equal and +4 % at head dim 64, a tie at 128 (NOTES v20).
 VOTE_BARRIER = 8
 
 
@@ -192,6 +194,7 @@ def _scalar_asm(asm: gl.constexpr, scalar):
 @gluon.jit
 def _declare_vote(c: gl.constexpr, any_scalar):
     """Declares consumer c's vote register; called once, before its loop."""
+    gl.static_assert(c < 3, "the vote has registers and barriers for three consumers")
     if c == 0:
         _scalar_asm(_DECLARE_0, any_scalar)
     elif c == 1:
