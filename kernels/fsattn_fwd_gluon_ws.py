@@ -220,58 +220,6 @@ def _any_flag(flags, c: gl.constexpr, any_scalar):
     return hit != 0
 
 
-# EXPERIMENT (NOTES v20 (e)): the turn passed on named barriers (FlashAttention-3's way: the next
-# warpgroup's bar.sync on 256 threads meets this one's bar.arrive), not mbarriers, whose single-
-# thread arrive and wait Triton 3.6 fences with a bar.sync of the warpgroup each.
-NAMED_TURNS = False
-TURN_BARRIER = 11
-
-
-def _turn_asm(barrier, op):
-    return gl.constexpr(f"bar.{op} {barrier}, 256;\n\tmov.b32 $0, $1;")
-
-
-_SYNC_0, _SYNC_1, _SYNC_2 = (_turn_asm(TURN_BARRIER + c, "sync") for c in range(3))
-_ARRIVE_0, _ARRIVE_1, _ARRIVE_2 = (_turn_asm(TURN_BARRIER + c, "arrive") for c in range(3))
-
-
-@gluon.jit
-def _wait_turn_named(c: gl.constexpr, any_scalar):
-    if c == 0:
-        _scalar_asm(_SYNC_0, any_scalar)
-    elif c == 1:
-        _scalar_asm(_SYNC_1, any_scalar)
-    else:
-        _scalar_asm(_SYNC_2, any_scalar)
-
-
-@gluon.jit
-def _pass_turn_named(c: gl.constexpr, N_CONSUMERS: gl.constexpr, any_scalar):
-    if (c + 1) % N_CONSUMERS == 0:
-        _scalar_asm(_ARRIVE_0, any_scalar)
-    elif c == 0:
-        _scalar_asm(_ARRIVE_1, any_scalar)
-    else:
-        _scalar_asm(_ARRIVE_2, any_scalar)
-
-
-@gluon.jit
-def _wait_turn(c: gl.constexpr, turn, parity, any_scalar, NAMED: gl.constexpr, FIRST_OF_C0: gl.constexpr = False):
-    if NAMED:
-        if not FIRST_OF_C0:
-            _wait_turn_named(c, any_scalar)
-    else:
-        mbarrier.wait(turn.index(c), parity)
-
-
-@gluon.jit
-def _pass_turn(c: gl.constexpr, N_CONSUMERS: gl.constexpr, turn, any_scalar, NAMED: gl.constexpr):
-    if NAMED:
-        _pass_turn_named(c, N_CONSUMERS, any_scalar)
-    else:
-        mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
-
-
 @gluon.jit
 def _words_to_fp8(words):
     """The FP8 tensor whose every 4 values are the bytes of element 0 of each 4 of `words`."""
@@ -382,7 +330,7 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
               ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
               q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
-              N_CONSUMERS: gl.constexpr, NAMED: gl.constexpr):
+              N_CONSUMERS: gl.constexpr):
     """Consumer warpgroup `c`: 64 query rows against every key tile.
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
@@ -425,9 +373,9 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     if not KS_IN_RING:
         ks = gl.load(ks_ptr + kv_row + cols)
     mbarrier.wait(ready.index(0), 0)
-    _wait_turn(c, turn, FIRST, n_tiles, NAMED, c == 0)
+    mbarrier.wait(turn.index(c), FIRST)
     s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _pass_turn(c, N_CONSUMERS, turn, n_tiles, NAMED)
+    mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     for tile in range(n_tiles - 1):
         stage = tile % STAGES
         nxt = tile + 1
@@ -441,7 +389,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         if not KS_IN_RING:
             ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        _wait_turn(c, turn, (nxt & 1) ^ FIRST, n_tiles, NAMED)
+        mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                               use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
@@ -452,7 +400,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
                                                              ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-        _pass_turn(c, N_CONSUMERS, turn, n_tiles, NAMED)
+        mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
         # Groups retire in order: with one left in flight, the row sum and PV are done.
         acc, l_tile = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok, l_tok))
         mbarrier.arrive(empty.index(stage), count=1)
@@ -467,7 +415,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
     else:
         p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
-    _wait_turn(c, turn, ((last + 1) & 1) ^ FIRST, n_tiles, NAMED)
+    mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
@@ -476,13 +424,10 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
                                                          ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING)
-    _pass_turn(c, N_CONSUMERS, turn, n_tiles, NAMED)
+    mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
     l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
-    if NAMED:
-        if c == 0:  # the last warpgroup's final hand-over, which no turn of c0 takes
-            _wait_turn_named(0, n_tiles)
     _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
               b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, SPEC_OFFSET if SPECULATIVE else 8.0)
 
@@ -495,7 +440,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
-    KS_IN_RING: gl.constexpr, NAMED: gl.constexpr,
+    KS_IN_RING: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -526,7 +471,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     consumer_args = (q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready, empty, turn,
                      qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
                      q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                     stride_oh, N_CONSUMERS, NAMED)
+                     stride_oh, N_CONSUMERS)
     producer_args = (q_desc, k_desc, vt_desc, w_desc, ks_src, q_smem, k_smem, vt_smem, w_smem, ks_smem, q_bars, ready,
                      empty, q_row, kv_row, vt_row, w_row, n_tiles)
     # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
@@ -543,8 +488,7 @@ def _fsattn_fwd_gluon_ws_kernel(
                             (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX,
-                        named_turns=None):
+def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
     """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`,
     except that `kv` must be quantised with ``pv_key_order="wgmma"`` and ``block_n`` 64 or 128
     (:func:`.configs.gluon_ws_consumers` says how many consumer warpgroups run). `speculative`:
@@ -576,7 +520,5 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=d_pad, STAGES=num_stages,
                                                    CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
                                                    SPECULATIVE=bool(speculative), N_CONSUMERS=consumers,
-                                                   KS_IN_RING=ks_in_ring,
-                                                   NAMED=bool(NAMED_TURNS if named_turns is None else named_turns),
-                                                   num_warps=4, enable_fp_fusion=FP_FUSION)
+                                                   KS_IN_RING=ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
     return out, lse
