@@ -236,9 +236,8 @@ def key_mask(attn_mask, query, key, layout="NHD"):
     # Such keys must also leave the K/V statistics (means, V's FP8 scale), or a padded V coarsens
     # every attended key's grid: they become weight-0 keys, with bias -inf so that none can set a
     # row's max either. Finite biases stay biases.
-    bias = per_key.float()
-    masked = bias <= bias.amax(dim=1, keepdim=True) - MASKED_BIAS_GAP
-    return (~masked).float().contiguous(), bias.masked_fill(masked, float("-inf")).contiguous()
+    bias = _gap_masked(per_key.float()).contiguous()
+    return (bias != float("-inf")).float(), bias
 
 
 def _exact_fallback(query, key, value, attn_mask, scale, layout, return_lse, reason):
@@ -251,9 +250,10 @@ def _exact_fallback(query, key, value, attn_mask, scale, layout, return_lse, rea
 
 
 def _gap_masked(mask: torch.Tensor) -> torch.Tensor:
-    """A float mask with -inf wherever :func:`key_mask`'s rule masks (a value MASKED_BIAS_GAP or
-    more below the largest of its row, the threshold in float32 as there). Dimensions the mask
-    only broadcasts over (stride 0) stay broadcast: a per-key mask is never expanded per query."""
+    """A float mask with -inf wherever a value is MASKED_BIAS_GAP or more below the largest of its
+    row (the threshold in float32): the one rule for :func:`key_mask` and the exact fallback.
+    Dimensions the mask only broadcasts over (stride 0) stay broadcast: a per-key mask is never
+    expanded per query."""
     stored = mask[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in mask.stride())]
     threshold = stored.amax(-1, keepdim=True).float() - MASKED_BIAS_GAP
     return stored.masked_fill(stored <= threshold, float("-inf")).expand(mask.shape)
