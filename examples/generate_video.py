@@ -390,8 +390,7 @@ def recipe_parts(args) -> RecipeParts:
     every = args.recipe
     if args.fp8_conditioning and not (every or args.fp8_linear):
         raise SystemExit("--fp8-conditioning adds the cross-attention's K/V and output projections to --fp8-linear's "
-                         "layers; give --fp8-linear "
-                         "or --recipe too")
+                         "layers; give --fp8-linear or --recipe too")
     return RecipeParts(fuse_qkv=every or args.fuse_qkv, fp8_linear=every or args.fp8_linear,
                        fp8_conditioning=args.fp8_conditioning, compile=every or args.compile,
                        dynamic=_DYNAMIC[args.dynamic], compile_backend=args.compile_backend)
