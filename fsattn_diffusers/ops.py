@@ -19,6 +19,7 @@ import torch
 from . import plan as planning
 from . import stats
 from .config import FSAttnConfig
+from .kernels.launch import current_stream, launch_key
 from .plan import EMULATION, INTERPRETER, plan_for
 from .reference import LOG2E, emulate_fsattn
 
@@ -74,17 +75,21 @@ def _as_bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout: str, config_json: str):
     """Fused-softmax attention on checked inputs; returns (out in `layout`, natural-log LSE (B, H, Sq))."""
+    if query.is_cuda:
+        # As on_device_of, keeping the device's index for the call's key and stream.
+        device = torch.cuda.current_device()
+        if query.device.index not in (None, device):
+            with torch.cuda.device(query.device):
+                return _on_gpu(query, key, value, key_weight, key_bias, scale, layout, config_json,
+                               query.device.index)
+        return _on_gpu(query, key, value, key_weight, key_bias, scale, layout, config_json, device)
     cfg = _config_from_json(config_json)
     q, k, v = (_as_bshd(t, layout) for t in (query, key, value))
     bsz, seq_q, heads, head_dim = q.shape
     plan = plan_for(cfg, target_of(q.device), head_dim, key_bias is not None, q.dtype, k.shape[1])
     q_tiles = bsz * heads * -(-seq_q // plan.block_m)
-    if q.device.type == "cuda":
-        with on_device_of(q):
-            out, lse = _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
-        stats.record_call("kernel", q_tiles)
-    elif CPU_PATH == "interpreter":
-        out, lse = _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
+    if CPU_PATH == "interpreter":
+        out, lse = _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, layout)[:2]
         stats.record_call("kernel", q_tiles)
     else:
         out, lse = _outputs(query, q)
@@ -98,6 +103,85 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
     return out, lse
 
 
+# Calls prepared on a GPU, by _call_key; each kind of call a model makes is one entry.
+_prepared_calls: dict = {}
+MAX_PREPARED_CALLS = 256
+
+
+def _call_key(query, key, value, key_weight, key_bias, layout, config_json, device=None):
+    """What a :class:`PreparedCall` depends on: the config, the layout, every operand's shape,
+    strides, dtype and alignment, and the current device (the plan's target; `device` where the
+    caller knows it)."""
+    return (config_json, layout, query.shape, query.stride(), key.shape, key.stride(), value.stride(),
+            None if key_weight is None else (key_weight.shape, key_weight.stride()),
+            None if key_bias is None else (key_bias.shape, key_bias.stride()),
+            launch_key(query, key, value, key_weight, key_bias, device=device))
+
+
+def _on_gpu(query, key, value, key_weight, key_bias, scale, layout, config_json, device):
+    """The op on `device`, the current CUDA device (or on CPU tensors, device -1: the same path
+    in Triton's interpreter, for tests)."""
+    call_key = _call_key(query, key, value, key_weight, key_bias, layout, config_json, device)
+    prepared = _prepared_calls.get(call_key)
+    if prepared is not None:
+        out, lse = prepared.run(query, key, value, key_weight, key_bias, scale,
+                                current_stream(device) if device >= 0 else None)
+    else:
+        cfg = _config_from_json(config_json)
+        plan = plan_for(cfg, target_of(query.device), query.shape[3], key_bias is not None, query.dtype,
+                        key.shape[1 if layout == "NHD" else 2])
+        out, lse, prepared = _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, layout)
+        if len(_prepared_calls) >= MAX_PREPARED_CALLS:
+            _prepared_calls.clear()
+        _prepared_calls[call_key] = prepared
+    stats.record_call("kernel", prepared.q_tiles)
+    return out, lse
+
+
+class PreparedCall:
+    """The launches of one kind of call (:func:`_call_key`): the K/V pre-pass (two launches) and
+    the forward (Q's quantisation and the attention kernel), each prepared for its shapes, so
+    that a call only allocates its buffers and launches. ``run`` takes the call's operands."""
+
+    __slots__ = ("kv_prepass", "forward", "with_counter", "layout", "lse_shape", "q_tiles")
+
+    def __init__(self, kv_prepass, forward, with_counter: bool, layout: str, lse_shape: tuple, q_tiles: int):
+        self.kv_prepass = kv_prepass
+        self.forward = forward
+        self.with_counter = with_counter  # the Triton kernel: the frozen-max fallback counter and the bias
+        self.layout = layout
+        self.lse_shape = lse_shape
+        self.q_tiles = q_tiles
+
+    def run(self, query, key, value, key_weight, key_bias, scale, stream=None):
+        """Launch on `stream` (a raw handle: :func:`~fsattn_diffusers.kernels.launch.current_stream`;
+        None: looked up at each launch)."""
+        layout = self.layout
+        q, k, v = (query, key, value) if layout == "NHD" else (t.transpose(1, 2) for t in (query, key, value))
+        kv = self.kv_prepass.run(k, v, key_weight, stream)
+        # Allocated after the K/V launches, while they run (host time before the first launch
+        # leaves the GPU idle where nothing else is queued).
+        out_in_layout = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=query.device)
+        out = out_in_layout if layout == "NHD" else out_in_layout.transpose(1, 2)
+        if self.with_counter:
+            self.forward.run(q, kv, out, lse, stats.fallback_counter(q.device), scale, _log2_bias(key_bias, kv),
+                             stream)
+        else:
+            self.forward.run(q, kv, out, lse, scale, stream)
+        return out_in_layout, lse
+
+
+def _log2_bias(key_bias, kv):
+    """The Triton kernel's bias: `key_bias` in log2 units, padding keys at -inf (None: None)."""
+    if key_bias is None:
+        return None
+    bias = torch.full((key_bias.shape[0], kv.k_q.shape[2]), float("-inf"), dtype=torch.float32,
+                      device=key_bias.device)
+    bias[:, : key_bias.shape[1]] = key_bias * LOG2E
+    return bias
+
+
 def _outputs(query, q):
     """The output (like `query`) and the LSE (B, H, Sq) float32, unwritten; `q` is `query` as
     (B, S, H, D)."""
@@ -106,46 +190,48 @@ def _outputs(query, q):
     return out, torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=query.device)
 
 
-def _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout):
-    """Quantise K/V for `plan` and launch its forward kernel (which quantises Q first); returns the
-    output in `query`'s layout and the LSE."""
-    from .kernels.quantize import quantize_kv
+def _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, layout):
+    """Prepare `plan`'s launches for these operands and run them; returns (out in `layout`, LSE,
+    the :class:`PreparedCall`). A Gluon kernel that does not compile with this Triton is turned off
+    and the call redone on the plan made without it."""
+    from .kernels.quantize import kv_prepass
 
-    kv = quantize_kv(k, v, key_weight, block_n=plan.block_n, d_pad=plan.d_pad, k_per_token=plan.k_per_token,
-                     smooth_v=plan.smooth_v, v_dtype=plan.v_dtype, pv_key_order=plan.pv_key_order)
-    # Allocated after the K/V launches, while they run (host time before the first launch leaves
-    # the GPU idle where nothing else is queued).
+    q, k, v = (_as_bshd(t, layout) for t in (query, key, value))
+    prepass = kv_prepass(k, v, key_weight, block_n=plan.block_n, d_pad=plan.d_pad, k_per_token=plan.k_per_token,
+                         smooth_v=plan.smooth_v, v_dtype=plan.v_dtype, pv_key_order=plan.pv_key_order)
+    kv = prepass.run(k, v, key_weight)
     out_in_layout, lse = _outputs(query, q)
     out = _as_bshd(out_in_layout, layout)
+    q_tiles = q.shape[0] * q.shape[2] * -(-q.shape[1] // plan.block_m)
     if plan.kernel in ("gluon_ws", "gluon"):
         name = "fsattn_fwd_" + plan.kernel
         try:
+            module = planning.gluon_module(name)
             if plan.kernel == "gluon_ws":
-                planning.gluon_module(name).fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=scale,
-                                                                num_stages=plan.num_stages)
+                forward = module.prepare_fsattn_fwd_gluon_ws(q, kv, out, num_stages=plan.num_stages)
             else:
-                planning.gluon_module(name).fsattn_fwd_gluon(q, kv, out, lse, sm_scale=scale, block_m=plan.block_m,
-                                                    num_warps=plan.num_warps, num_stages=plan.num_stages)
-            return out_in_layout, lse
+                forward = module.prepare_fsattn_fwd_gluon(q, kv, out, block_m=plan.block_m, num_warps=plan.num_warps,
+                                                          num_stages=plan.num_stages)
+            forward.run(q, kv, out, lse, scale)
+            return out_in_layout, lse, PreparedCall(prepass, forward, False, layout, tuple(lse.shape), q_tiles)
         except Exception as err:  # noqa: BLE001 - narrowed to compile failures just below
             if not planning.is_compile_failure(err):
                 raise
             # Compilation happens before the launch: the K/V buffers are only read, and the retry
             # below quantises again for its own plan and returns its own output.
             planning.disable_gluon(name, err)
+            _prepared_calls.clear()  # the kernel stays off for every call, as for every plan
         plan = plan_for(cfg, target_of(q.device), q.shape[-1], key_bias is not None, q.dtype, k.shape[1])
-        return _run_kernels(plan, cfg, q, k, v, key_weight, key_bias, scale, query, layout)
+        return _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, layout)
     from .kernels import fsattn_fwd as fwd
 
-    bias = None
-    if key_bias is not None:  # natural -> log2 units, padding keys at -inf
-        bias = torch.full((key_bias.shape[0], kv.k_q.shape[2]), float("-inf"), dtype=torch.float32, device=q.device)
-        bias[:, : key_bias.shape[1]] = key_bias * LOG2E
-    fwd.fsattn_fwd(q, kv, out, lse, stats.fallback_counter(q.device), sm_scale=scale, bias=bias,
-                   frozen=plan.max_mode_for(k.shape[1]), exp_mode=plan.exp_mode, pv_fp32=plan.pv_fp32,
-                   rowsum_mma=plan.rowsum_mma, max_threshold=plan.max_threshold, block_m=plan.block_m,
-                   num_warps=plan.num_warps, num_stages=plan.num_stages)
-    return out_in_layout, lse
+    bias = _log2_bias(key_bias, kv)
+    forward = fwd.prepare_fsattn_fwd(q, kv, out, bias, frozen=plan.max_mode_for(k.shape[1]), exp_mode=plan.exp_mode,
+                                     pv_fp32=plan.pv_fp32, rowsum_mma=plan.rowsum_mma,
+                                     max_threshold=plan.max_threshold, block_m=plan.block_m,
+                                     num_warps=plan.num_warps, num_stages=plan.num_stages)
+    forward.run(q, kv, out, lse, stats.fallback_counter(q.device), scale, bias)
+    return out_in_layout, lse, PreparedCall(prepass, forward, True, layout, tuple(lse.shape), q_tiles)
 
 
 @torch.library.custom_op("fsattn::attention", mutates_args=())

@@ -32,16 +32,19 @@ FlashAttention-3 (arXiv 2407.08608) for the FP8 P scaling.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
 import triton
 import triton.language as tl
 
 from . import configs
 from .configs import (EXP_MODE_BITS, EXP_MODE_HALF, EXP_MODE_SFU, FP_FUSION, FROZEN_OFF,  # noqa: F401
                       FROZEN_RECOMPUTE, FROZEN_RESCALE)
-from .launch import Relaunch, cdiv
+from .launch import BoundLaunch, cdiv, launch_key
 from .lowp import IN_INTERPRETER, LN2, LOG2E, dot_lowp, to_low_precision
-from .quantize import quantize_q
+from .quantize import QPrepass
 
 # 1.5 * 2**23: adding it to a float below 2**22 in magnitude rounds that float to an integer in
 # the low mantissa bits (the bit-level exponential's floor and byte extraction).
@@ -324,29 +327,61 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
         Additive key bias in log2 units (-inf for masked keys and padding).
     frozen : FROZEN_OFF, FROZEN_RECOMPUTE or FROZEN_RESCALE
     """
+    prepare_fsattn_fwd(q, kv, out, bias, frozen=frozen, exp_mode=exp_mode, pv_fp32=pv_fp32, rowsum_mma=rowsum_mma,
+                       max_threshold=max_threshold, block_m=block_m, num_warps=num_warps,
+                       num_stages=num_stages).run(q, kv, out, lse, fallback_counter, sm_scale, bias)
+    return out, lse
+
+
+def prepare_fsattn_fwd(q, kv, out, bias=None, *, frozen=FROZEN_RESCALE, exp_mode=EXP_MODE_SFU, pv_fp32=True,
+                       rowsum_mma=True, max_threshold=3.0, block_m=128, num_warps=4, num_stages=3) -> "TritonForward":
+    """The checked, cached :class:`TritonForward` of :func:`fsattn_fwd`'s arguments: its
+    ``run(q, kv, out, lse, fallback_counter, sm_scale, bias)`` launches on any tensors of the same
+    shapes, strides, dtypes, alignment and device."""
     if exp_mode != EXP_MODE_SFU and kv.v_t.dtype != torch.float8_e4m3fn:
         raise ValueError("the bit-level exponential writes FP8 bits: it needs an FP8 V")
     if kv.pv_key_order != "natural":
         raise ValueError(f"the Triton kernel reads V in the natural key order, got {kv.pv_key_order!r}")
-    bsz, seq_q, n_q_heads, head_dim = q.shape
-    n_kv_heads = kv.k_q.shape[1]
-    d_pad = kv.k_q.shape[3]
-    s_pad = kv.k_q.shape[2]
-    qq = quantize_q(q, kv, sm_scale=sm_scale, block_m=block_m)
-    grid = (cdiv(seq_q, block_m), n_q_heads, bsz)
-    Relaunch.of(_fsattn_fwd_kernel)[grid](
-        qq.q_q, qq.q_scale, qq.q_dot_k_mean, out, lse,
-        kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale, kv.v_mean, kv.rowsum_weights,
-        bias if bias is not None else kv.k_scale, fallback_counter,
-        seq_q, qq.q_q.shape[2], head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
-        float(max_threshold),
-        *out.stride(),
-        kv.rowsum_weights.stride(0) if kv.rowsum_weights.shape[0] > 1 else 0,
-        (bias.stride(0) if bias.shape[0] > 1 else 0) if bias is not None else 0,
-        FROZEN=frozen, EXP_MODE=exp_mode, HAS_BIAS=bias is not None, K_PER_TOKEN=kv.k_per_token,
-        PV_FP32=pv_fp32, ROWSUM_MMA=rowsum_mma,
-        BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=d_pad, ROWSUM_COLS=kv.rowsum_weights.shape[1],
-        SOFT_ROUND=IN_INTERPRETER,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
-    )
-    return out, lse
+    options = (("frozen", frozen), ("exp_mode", exp_mode), ("pv_fp32", pv_fp32), ("rowsum_mma", rowsum_mma),
+               ("max_threshold", float(max_threshold)), ("block_m", block_m), ("num_warps", num_warps),
+               ("num_stages", num_stages))
+    bias_stride = None if bias is None else (bias.stride(0) if bias.shape[0] > 1 else 0)
+    return _triton_forward(tuple(q.shape), q.stride(), tuple(kv.k_q.shape), kv.block_n, kv.n_tiles, kv.n_split,
+                           kv.k_per_token, tuple(kv.rowsum_weights.shape), kv.rowsum_weights.stride(0), out.stride(),
+                           bias_stride, options, launch_key(q, out, bias))
+
+
+@functools.lru_cache(maxsize=256)
+def _triton_forward(q_shape, q_stride, kq_shape, block_n, n_tiles, n_split, k_per_token, rowsum_shape,
+                    rowsum_stride, out_stride, bias_stride, options, _launch_key) -> "TritonForward":
+    return TritonForward(q_shape, q_stride, kq_shape, block_n, n_tiles, n_split, k_per_token, rowsum_shape,
+                         rowsum_stride, out_stride, bias_stride, **dict(options))
+
+
+class TritonForward:
+    """Q's quantisation and the Triton kernel's launch for one shape of Q, of the quantised K/V
+    and of the output (`bias_stride`: the bias's batch stride, None without a bias), everything
+    that depends only on shapes computed once: ``run(q, kv, out, lse, fallback_counter, sm_scale,
+    bias)`` launches as :func:`fsattn_fwd` does."""
+
+    def __init__(self, q_shape, q_stride, kq_shape, block_n, n_tiles, n_split, k_per_token, rowsum_shape,
+                 rowsum_stride, out_stride, bias_stride, *, frozen, exp_mode, pv_fp32, rowsum_mma, max_threshold,
+                 block_m, num_warps, num_stages):
+        bsz, seq_q, n_q_heads, head_dim = q_shape
+        _, n_kv_heads, s_pad, d_pad = kq_shape
+        self._q = QPrepass(q_shape, q_stride, n_kv_heads, d_pad, n_split, block_m, block_m)
+        self._ints = (seq_q, self._q.q_pad, head_dim, n_q_heads, n_q_heads // n_kv_heads, n_tiles, s_pad,
+                      float(max_threshold), *out_stride, rowsum_stride if rowsum_shape[0] > 1 else 0,
+                      bias_stride or 0)
+        self._launch = BoundLaunch(
+            _fsattn_fwd_kernel, (cdiv(seq_q, block_m), n_q_heads, bsz),
+            FROZEN=frozen, EXP_MODE=exp_mode, HAS_BIAS=bias_stride is not None, K_PER_TOKEN=k_per_token,
+            PV_FP32=pv_fp32, ROWSUM_MMA=rowsum_mma, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad,
+            ROWSUM_COLS=rowsum_shape[1], SOFT_ROUND=IN_INTERPRETER, num_warps=num_warps, num_stages=num_stages,
+            enable_fp_fusion=FP_FUSION)
+
+    def run(self, q, kv, out, lse, fallback_counter, sm_scale, bias=None, stream=None):
+        qq = self._q.run(q, kv, sm_scale, stream)
+        self._launch(qq.q_q, qq.q_scale, qq.q_dot_k_mean, out, lse, kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale,
+                     kv.v_mean, kv.rowsum_weights, bias if bias is not None else kv.k_scale, fallback_counter,
+                     *self._ints, stream=stream)

@@ -19,14 +19,17 @@ than the Triton kernel, whose two programs per SM already overlap each other's s
 
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .configs import FP_FUSION
-from .gluon_common import ROWSUM_N, _epilogue, _program_rows, _softmax_tile, launch_operands
+from .gluon_common import ROWSUM_N, GluonOperands, _epilogue, _program_rows, _softmax_tile, gluon_operands
 from .gluon_compat import tma_async_load
-from .launch import Relaunch
+from .launch import BoundLaunch
+
 
 @gluon.jit
 def _issue_tile_loads(k_desc, vt_desc, w_desc, k_smem, vt_smem, w_smem, bars, tile, kv_row, vt_row, w_row,
@@ -139,13 +142,39 @@ def fsattn_fwd_gluon(q, kv, out, lse, *, sm_scale, block_m=64, num_warps=4, num_
     The plan (fsattn_diffusers/plan.py) sends it only what it covers; anything else raises here
     rather than hang the GPU.
     """
+    prepare_fsattn_fwd_gluon(q, kv, out, block_m=block_m, num_warps=num_warps,
+                             num_stages=num_stages).run(q, kv, out, lse, sm_scale)
+    return out, lse
+
+
+def prepare_fsattn_fwd_gluon(q, kv, out, *, block_m=64, num_warps=4, num_stages=3) -> "GluonForward":
+    """The checked, cached :class:`GluonForward` of :func:`fsattn_fwd_gluon`'s arguments: its
+    ``run(q, kv, out, lse, sm_scale)`` launches on any tensors of the same shapes, strides, dtypes,
+    alignment and device."""
     if not 2 <= num_stages <= 4 or block_m != 64 or num_warps != 4 or kv.block_n != 128:
         raise ValueError(f"the Gluon kernel takes 64 x 128 tiles, 4 warps and 2-4 stages; got block_m={block_m}, "
                          f"block_n={kv.block_n}, num_warps={num_warps}, num_stages={num_stages}")
     if kv.pv_key_order != "natural":
         raise ValueError(f"the Gluon kernel reads V in the natural key order, got {kv.pv_key_order!r}")
-    grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=block_m, q_tile_rows=block_m)
-    Relaunch.of(_fsattn_fwd_gluon_kernel)[grid](*args, BLOCK_M=block_m, BLOCK_N=kv.block_n, D_PAD=kv.k_q.shape[3],
-                                   STAGES=num_stages, num_warps=num_warps,
-                                   enable_fp_fusion=FP_FUSION)
-    return out, lse
+    operands = gluon_operands(q, kv, out, block_m=block_m, q_tile_rows=block_m)
+    return gluon_forward(operands, kv.block_n, kv.k_q.shape[3], num_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def gluon_forward(operands: GluonOperands, block_n: int, d_pad: int, num_stages: int) -> "GluonForward":
+    """The :class:`GluonForward` of these operands and stages (cached)."""
+    return GluonForward(operands, block_n, d_pad, num_stages)
+
+
+class GluonForward:
+    """Q's quantisation and the Gluon kernel's launch for one shape (its
+    :class:`~.gluon_common.GluonOperands`), computed once: ``run(q, kv, out, lse, sm_scale,
+    stream=None)`` launches on operands :func:`fsattn_fwd_gluon` accepts."""
+
+    def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int):
+        self._operands = operands
+        self._launch = BoundLaunch(_fsattn_fwd_gluon_kernel, operands.grid, BLOCK_M=64, BLOCK_N=block_n, D_PAD=d_pad,
+                                   STAGES=num_stages, num_warps=4, enable_fp_fusion=FP_FUSION)
+
+    def run(self, q, kv, out, lse, sm_scale, stream=None):
+        self._launch(*self._operands.args(q, kv, out, lse, sm_scale, stream), stream=stream)

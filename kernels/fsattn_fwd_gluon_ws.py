@@ -46,6 +46,8 @@ Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -55,9 +57,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
 from .configs import GLUON_WS_MAX_STAGES as MAX_STAGES
 from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
 from .configs import FP_FUSION, GLUON_WS_STAGES, gluon_ws_consumers, gluon_ws_ks_in_ring
-from .gluon_common import ROWSUM_N, _descriptor, _epilogue, _program_rows, _softmax_tile, launch_operands
+from .gluon_common import ROWSUM_N, GluonOperands, _descriptor, _epilogue, _program_rows, _softmax_tile, gluon_operands
 from .gluon_compat import tma_async_load
-from .launch import Relaunch
+from .launch import BoundLaunch
 
 if not hasattr(gl, "warp_specialize"):  # the caller then runs the Triton kernel
     raise ImportError("this Triton's Gluon has no warp_specialize")
@@ -497,6 +499,16 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     The plan (fsattn_diffusers/plan.py) sends it only what it covers; anything else raises here
     rather than hang the GPU.
     """
+    prepare_fsattn_fwd_gluon_ws(q, kv, out, num_stages=num_stages, speculative=speculative).run(q, kv, out, lse,
+                                                                                              sm_scale)
+    return out, lse
+
+
+def prepare_fsattn_fwd_gluon_ws(q, kv, out, *, num_stages=GLUON_WS_STAGES,
+                                speculative=SPECULATIVE_MAX) -> "GluonWSForward":
+    """The checked, cached :class:`GluonWSForward` of :func:`fsattn_fwd_gluon_ws`'s arguments:
+    its ``run(q, kv, out, lse, sm_scale)`` launches on any tensors of the same shapes, strides,
+    dtypes, alignment and device."""
     if kv.block_n not in MAX_STAGES or not 2 <= num_stages <= MAX_STAGES[kv.block_n]:
         raise ValueError("the warp-specialised Gluon kernel takes 64-key tiles with 2-8 stages or 128-key tiles "
                          f"with 2-4 stages; got block_n={kv.block_n}, num_stages={num_stages}")
@@ -512,13 +524,36 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
                          f"16-byte aligned; got {kv.k_scale.dtype}, shape {tuple(kv.k_scale.shape)}, strides "
                          f"{kv.k_scale.stride()}, address {kv.k_scale.data_ptr():#x}")
     consumers = gluon_ws_consumers(kv.block_n, d_pad)
-    grid, args = launch_operands(q, kv, out, lse, sm_scale=sm_scale, block_m=consumers * CONSUMER_ROWS,
-                                 q_tile_rows=CONSUMER_ROWS)
-    # A TMA descriptor costs host time at every launch: only where the kernel reads it.
-    ks_desc = _descriptor(kv.k_scale.view(-1), (kv.block_n,), gl.float32) if ks_in_ring else None
-    args = args[:4] + (ks_desc,) + args[4:]
-    Relaunch.of(_fsattn_fwd_gluon_ws_kernel)[grid](*args, BLOCK_N=kv.block_n, D_PAD=d_pad, STAGES=num_stages,
-                                                   CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
-                                                   SPECULATIVE=bool(speculative), N_CONSUMERS=consumers,
-                                                   KS_IN_RING=ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
-    return out, lse
+    operands = gluon_operands(q, kv, out, block_m=consumers * CONSUMER_ROWS, q_tile_rows=CONSUMER_ROWS)
+    return gluon_ws_forward(operands, kv.block_n, d_pad, num_stages, bool(speculative))
+
+
+@functools.lru_cache(maxsize=256)
+def gluon_ws_forward(operands: GluonOperands, block_n: int, d_pad: int, num_stages: int,
+                     speculative: bool) -> "GluonWSForward":
+    """The :class:`GluonWSForward` of these operands and options (cached)."""
+    return GluonWSForward(operands, block_n, d_pad, num_stages, speculative)
+
+
+class GluonWSForward:
+    """Q's quantisation and the warp-specialised kernel's launch for one shape (its
+    :class:`~.gluon_common.GluonOperands`), everything that depends only on shapes computed once:
+    ``run(q, kv, out, lse, sm_scale, stream=None)`` launches on operands :func:`fsattn_fwd_gluon_ws` accepts."""
+
+    def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, speculative: bool):
+        consumers = gluon_ws_consumers(block_n, d_pad)
+        self._operands = operands
+        self._ks_in_ring = gluon_ws_ks_in_ring(d_pad)
+        self._block_n = block_n
+        self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
+                                   STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
+                                   PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
+                                   KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
+
+    def run(self, q, kv, out, lse, sm_scale, stream=None):
+        args = self._operands.args(q, kv, out, lse, sm_scale, stream)
+        # A TMA descriptor costs host time at every launch: only where the kernel reads it.
+        ks = kv.k_scale
+        ks_desc = (_descriptor(ks, (self._block_n,), gl.float32, (ks.numel(),), (1,)) if self._ks_in_ring
+                   else None)
+        self._launch(*args[:4], ks_desc, *args[4:], stream=stream)

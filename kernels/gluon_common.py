@@ -4,14 +4,16 @@ quantised buffers, the epilogue, and the host side of a launch (Q's quantisation
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import cdiv
+from .launch import cdiv, launch_key
 from .lowp import LN2
-from .quantize import ROWSUM_COLS, quantize_q
+from .quantize import ROWSUM_COLS, QPrepass
 
 ROWSUM_N = gl.constexpr(ROWSUM_COLS)
 
@@ -80,29 +82,82 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
 _descriptor_fields: dict = {}
 
 
-def _descriptor(t: torch.Tensor, block_shape: tuple, dtype) -> TensorDescriptor:
-    """A TMA descriptor of `t` (1-D, or 2-D as a view of a buffer), one of the pre-passes' fresh
-    contiguous buffers.
+def _descriptor(t: torch.Tensor, block_shape: tuple, dtype, shape=None, strides=None) -> TensorDescriptor:
+    """A TMA descriptor of `t`, one of the pre-passes' fresh contiguous buffers, as a 2-D tensor
+    of `shape` and `strides` (default: `t`'s own, `t` then 1-D or 2-D).
 
     The shared-memory layout and TensorDescriptor's own checks (16-byte aligned base and rows,
     positive shape) cost about as much host time as the rest of the launch. The layout depends
     only on the tile and dtype, and the checks hold by construction for these buffers (torch
     allocations whose 2-D rows are a multiple of 16 bytes; a 1-D buffer's caller checks its base),
     so both are done for the first descriptor of each tile and dtype; later ones take its other
-    fields (never its tensor) with their own tensor's."""
+    fields (never its tensor) with their own tensor's. The launch reads only the base's address."""
     key = (block_shape, dtype, t.dtype)
     fields = _descriptor_fields.get(key)
-    if fields is None:
-        layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
-        desc = TensorDescriptor.from_tensor(t, list(block_shape), layout)
-        _descriptor_fields[key] = {k: v for k, v in vars(desc).items() if k not in ("base", "shape", "strides")}
-        return desc
     if not t.is_contiguous():
         raise ValueError(f"TMA operands here are contiguous buffers, got strides {t.stride()}")
+    if fields is None:
+        view = t if shape is None else t.view(shape)
+        layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+        desc = TensorDescriptor.from_tensor(view, list(block_shape), layout)
+        _descriptor_fields[key] = {k: v for k, v in vars(desc).items() if k not in ("base", "shape", "strides")}
+        return desc
     desc = object.__new__(TensorDescriptor)
     vars(desc).update(fields)
-    desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
+    if shape is None:
+        desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
+    else:
+        desc.base, desc.shape, desc.strides = t, shape, strides
     return desc
+
+
+def gluon_operands(q, kv, out, *, block_m, q_tile_rows) -> "GluonOperands":
+    """The :class:`GluonOperands` of these tensors (cached per shape, strides, alignment and device)."""
+    if kv.rowsum_weights.shape[1] != ROWSUM_COLS:
+        raise ValueError(f"the row-sum weights must have {ROWSUM_COLS} rows, got {kv.rowsum_weights.shape[1]}")
+    return _gluon_operands(tuple(q.shape), q.stride(), tuple(kv.k_q.shape), kv.block_n, kv.n_tiles, kv.n_split,
+                           kv.rowsum_weights.shape[0], out.stride(), block_m, q_tile_rows, launch_key(q, out))
+
+
+@functools.lru_cache(maxsize=256)
+def _gluon_operands(q_shape, q_stride, kq_shape, block_n, n_tiles, n_split, rowsum_batches, out_stride, block_m,
+                    q_tile_rows, _launch_key) -> "GluonOperands":
+    return GluonOperands(q_shape, q_stride, kq_shape, block_n, n_tiles, n_split, rowsum_batches, out_stride,
+                         block_m, q_tile_rows)
+
+
+class GluonOperands:
+    """What both Gluon kernels take, for one shape of Q, of the quantised K/V and of the output,
+    everything that depends only on shapes computed once: ``grid``, and ``args(q, kv, out, lse,
+    sm_scale, stream=None)``, which quantises Q (on `stream`) and returns the positional arguments
+    (TMA descriptors of Q, K, V and the row-sum weights first).
+
+    `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
+    """
+
+    def __init__(self, q_shape, q_stride, kq_shape, block_n, n_tiles, n_split, rowsum_batches, out_stride,
+                 block_m, q_tile_rows):
+        bsz, seq_q, n_q_heads, head_dim = q_shape
+        _, n_kv_heads, s_pad, d_pad = kq_shape
+        # Programs of 3 x 64 rows pad Q to 192 rows, quantised 64 at a time (a Triton block is a power of two).
+        pow2 = block_m & (block_m - 1) == 0
+        self._q = QPrepass(q_shape, q_stride, n_kv_heads, d_pad, n_split, block_m if pow2 else q_tile_rows, block_m)
+        q_pad = self._q.q_pad
+        # (block shape, element type, 2-D shape, strides) of the Q, K, V and row-sum descriptors
+        self._q_desc = ((q_tile_rows, d_pad), gl.int8, (bsz * n_q_heads * q_pad, d_pad), (d_pad, 1))
+        self._kv_descs = (((block_n, d_pad), gl.int8, (bsz * n_kv_heads * s_pad, d_pad), (d_pad, 1)),
+                          ((d_pad, block_n), gl.float8e4nv, (bsz * n_kv_heads * d_pad, s_pad), (s_pad, 1)),
+                          ((ROWSUM_COLS, block_n), gl.float8e4nv, (rowsum_batches * ROWSUM_COLS, s_pad), (s_pad, 1)))
+        self._ints = (seq_q, q_pad, head_dim, n_q_heads, n_q_heads // n_kv_heads, n_tiles, s_pad,
+                      ROWSUM_COLS if rowsum_batches > 1 else 0, *out_stride[:3])
+        self.grid = (cdiv(seq_q, block_m), n_q_heads, bsz)
+
+    def args(self, q, kv, out, lse, sm_scale, stream=None) -> tuple:
+        qq = self._q.run(q, kv, sm_scale, stream)
+        (qb, qt, qs, qst), (kb, kt, ks, kst), (vb, vt, vs, vst), (wb, wt, ws, wst) = self._q_desc, *self._kv_descs
+        return (_descriptor(qq.q_q, qb, qt, qs, qst), _descriptor(kv.k_q, kb, kt, ks, kst),
+                _descriptor(kv.v_t, vb, vt, vs, vst), _descriptor(kv.rowsum_weights, wb, wt, ws, wst),
+                qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse, *self._ints)
 
 
 def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
@@ -110,23 +165,5 @@ def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
 
     `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
     """
-    if kv.rowsum_weights.shape[1] != ROWSUM_COLS:
-        raise ValueError(f"the row-sum weights must have {ROWSUM_COLS} rows, got {kv.rowsum_weights.shape[1]}")
-    bsz, seq_q, n_q_heads, head_dim = q.shape
-    _, n_kv_heads, s_pad, d_pad = kv.k_q.shape
-    block_n = kv.block_n
-    # Programs of 3 x 64 rows pad Q to 192 rows, quantised 64 at a time (a Triton block is a power of two).
-    pow2 = block_m & (block_m - 1) == 0
-    qq = quantize_q(q, kv, sm_scale=sm_scale, block_m=block_m if pow2 else q_tile_rows, pad_multiple=block_m)
-    descriptors = (
-        _descriptor(qq.q_q.view(-1, d_pad), (q_tile_rows, d_pad), gl.int8),
-        _descriptor(kv.k_q.view(-1, d_pad), (block_n, d_pad), gl.int8),
-        _descriptor(kv.v_t.view(-1, s_pad), (d_pad, block_n), gl.float8e4nv),
-        _descriptor(kv.rowsum_weights.view(-1, s_pad), (ROWSUM_COLS, block_n), gl.float8e4nv),
-    )
-    args = (*descriptors,
-            qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse,
-            seq_q, qq.q_q.shape[2], head_dim, n_q_heads, n_q_heads // n_kv_heads, kv.n_tiles, s_pad,
-            ROWSUM_COLS if kv.rowsum_weights.shape[0] > 1 else 0,
-            out.stride(0), out.stride(1), out.stride(2))
-    return (cdiv(seq_q, block_m), n_q_heads, bsz), args
+    operands = gluon_operands(q, kv, out, block_m=block_m, q_tile_rows=q_tile_rows)
+    return operands.grid, operands.args(q, kv, out, lse, sm_scale)

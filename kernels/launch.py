@@ -110,26 +110,45 @@ class Relaunch:
             tail.append(value)
         return tuple(tail)
 
-    def _launch(self, grid, *args, **meta):
+    def _key(self, grid, args, meta):
+        """The key of a launch, or None where it takes Triton's path every time."""
         if not self._params or not isinstance(grid, tuple) or not 1 <= len(grid) <= 3 or not _on_cuda(args):
-            return self.fn[grid](*args, **meta)
+            return None
         keys = _args_key(args)
         if _UNKEYED in keys:
-            return self.fn[grid](*args, **meta)
+            return None
         key = (torch.cuda.current_device(), keys, tuple(meta.items()))
         try:
-            entry = self._compiled.get(key)
+            hash(key)
         except TypeError:  # a keyword argument that cannot be hashed: not keyed
+            return None
+        return key
+
+    def runner(self, grid, args, meta):
+        """``(runner, tail)`` such that ``runner(*args, *tail)`` launches these arguments as
+        ``self[grid](*args, **meta)`` would, once a launch of theirs has compiled; else None."""
+        key = self._key(grid, args, meta)
+        entry = None if key is None else self._compiled.get(key)
+        return None if entry is None else (self._runner_of(entry, grid), entry[1])
+
+    @staticmethod
+    def _runner_of(entry, grid):
+        compiled, _, runners = entry
+        runner = runners.get(grid)
+        if runner is None:  # CompiledKernel[grid] builds a closure per call: kept per grid
+            if len(runners) >= MAX_REMEMBERED:
+                runners.clear()
+            runner = runners[grid] = compiled[grid + (1,) * (3 - len(grid))]
+        return runner
+
+    def _launch(self, grid, *args, **meta):
+        key = self._key(grid, args, meta)
+        if key is None:
             return self.fn[grid](*args, **meta)
+        entry = self._compiled.get(key)
         if entry is not None:
-            compiled, tail, runners = entry
-            runner = runners.get(grid)
-            if runner is None:  # CompiledKernel[grid] builds a closure per call: kept per grid
-                if len(runners) >= MAX_REMEMBERED:
-                    runners.clear()
-                runner = runners[grid] = compiled[grid + (1,) * (3 - len(grid))]
-            runner(*args, *tail)
-            return compiled
+            self._runner_of(entry, grid)(*args, *entry[1])
+            return entry[0]
         compiled = self.fn[grid](*args, **meta)
         tail = self._tail(len(args), meta)
         if tail is not None and hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
@@ -137,6 +156,66 @@ class Relaunch:
                 self._compiled.clear()
             self._compiled[key] = (compiled, tail, {})
         return compiled
+
+
+class BoundLaunch:
+    """One kernel's launch with its grid and keyword arguments fixed, for a caller that launches it
+    again and again with arguments that Triton specialises alike (the same dtypes and integer
+    values, tensors aligned alike): a prepared call of one shape (:mod:`.prepared`).
+
+    ``bound(*args)`` launches as ``Relaunch.of(fn)[grid](*args, **meta)``. The first launch takes
+    that path (compiling there); later ones call the compiled kernel's runner directly, without
+    keying the arguments again: keeping them alike is the caller's side of the contract. Where
+    the first launch is not remembered (CPU tensors, the interpreter, an unkeyed argument), every
+    launch takes Relaunch's path.
+    """
+
+    __slots__ = ("_relaunch", "_grid", "_meta", "_fast")
+
+    def __init__(self, fn, grid: tuple, **meta):
+        self._relaunch = Relaunch.of(fn)
+        self._grid = grid
+        self._meta = meta
+        self._fast = None
+
+    def __call__(self, *args, stream=None):
+        """Launch on `stream` (a raw CUDA stream handle, ``current_stream(device)``; default: the
+        current stream of the current device, looked up at each launch)."""
+        fast = self._fast
+        if fast is not None:
+            if stream is None:
+                fast[0](*args, *fast[1])
+            else:
+                fast[0](*args, *fast[1], stream=stream)
+            return
+        self._relaunch._launch(self._grid, *args, **self._meta)
+        self._fast = self._relaunch.runner(self._grid, args, self._meta)
+
+
+def current_stream(device: int):
+    """The raw handle of the current CUDA stream of `device`, as Triton's launches look it up
+    (one lookup for a call's launches instead of one each)."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(device)
+
+
+def launch_key(*tensors, device=None) -> tuple:
+    """What a cache of :class:`BoundLaunch` users must key on besides shapes and strides: the
+    current CUDA device (a compiled kernel is loaded per device; `device` where the caller knows
+    it), and each tensor's dtype and whether it is 16-byte aligned, as Triton specialises pointers
+    (None stays None)."""
+    on_cuda = device is not None
+    keys = []
+    for t in tensors:
+        if t is None:
+            keys.append(None)
+        else:
+            on_cuda = on_cuda or t.is_cuda
+            keys.append((t.dtype, t.data_ptr() & 15 == 0))
+    if device is None:
+        device = torch.cuda.current_device() if on_cuda else -1
+    return (device, tuple(keys))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -34,13 +34,14 @@ replay writes the bytes an eager call writes):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import Relaunch, cdiv
+from .launch import BoundLaunch, cdiv, launch_key
 from .lowp import IN_INTERPRETER, LOG2E, to_low_precision
 
 # e4m3fn's largest finite value.
@@ -297,23 +298,46 @@ def quantize_q(q, kv: QuantizedKV, *, sm_scale, block_m, pad_multiple=None) -> Q
         rounding error): run this after :func:`quantize_kv` and before the forward kernel, on one
         stream. Running it again on the same `kv` writes the same ``v_mean``.
     """
-    bsz, seq_len, heads, dim = q.shape
-    d_pad = kv.k_q.shape[-1]
     pad_multiple = pad_multiple or block_m
     if pad_multiple % block_m:
         raise ValueError(f"pad_multiple={pad_multiple} is not a multiple of block_m={block_m}")
-    q_pad = cdiv(seq_len, pad_multiple) * pad_multiple
-    q_q = torch.empty(bsz, heads, q_pad, d_pad, dtype=torch.int8, device=q.device)
-    q_scale = torch.empty(bsz, heads, q_pad, dtype=torch.float32, device=q.device)
-    q_dot_k_mean = torch.empty_like(q_scale)
-    Relaunch.of(_quantize_q_kernel)[(q_pad // block_m, heads, bsz)](
-        q, kv.workspace, q_q, q_scale, q_dot_k_mean,
-        seq_len, dim, heads, heads // kv.k_q.shape[1], q_pad, float(sm_scale), kv.n_split,
-        *q.stride(),
-        BLOCK_M=block_m, D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER,
-        num_warps=q_warps(block_m, d_pad),
-    )
-    return QuantizedQ(q_q, q_scale, q_dot_k_mean)
+    return q_prepass(q, kv, block_m, pad_multiple).run(q, kv, sm_scale)
+
+
+def q_prepass(q, kv: QuantizedKV, block_m: int, pad_multiple: int) -> "QPrepass":
+    """The :class:`QPrepass` of these tensors (cached per shape, strides, alignment and device)."""
+    return _q_prepass(tuple(q.shape), q.stride(), kv.k_q.shape[1], kv.k_q.shape[-1], kv.n_split, block_m,
+                      pad_multiple, launch_key(q))
+
+
+@functools.lru_cache(maxsize=256)
+def _q_prepass(q_shape, q_stride, kv_heads, d_pad, n_split, block_m, pad_multiple, _launch_key) -> "QPrepass":
+    return QPrepass(q_shape, q_stride, kv_heads, d_pad, n_split, block_m, pad_multiple)
+
+
+class QPrepass:
+    """:func:`quantize_q`'s launch for one shape of Q and of the K/V workspace, everything that
+    depends only on shapes computed once: ``run(q, kv, sm_scale)`` allocates and launches."""
+
+    def __init__(self, q_shape, q_stride, kv_heads, d_pad, n_split, block_m, pad_multiple):
+        bsz, seq_len, heads, dim = q_shape
+        self.q_pad = cdiv(seq_len, pad_multiple) * pad_multiple
+        self._shape = (bsz, heads, self.q_pad)
+        self._d_pad = d_pad
+        self._head = (seq_len, dim, heads, heads // kv_heads, self.q_pad)
+        self._tail = (n_split, *q_stride)
+        self._launch = BoundLaunch(_quantize_q_kernel, (self.q_pad // block_m, heads, bsz), BLOCK_M=block_m,
+                                   D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER,
+                                   num_warps=q_warps(block_m, d_pad))
+
+    def run(self, q, kv: QuantizedKV, sm_scale, stream=None) -> QuantizedQ:
+        dev = q.device
+        q_q = torch.empty(*self._shape, self._d_pad, dtype=torch.int8, device=dev)
+        q_scale = torch.empty(self._shape, dtype=torch.float32, device=dev)
+        q_dot_k_mean = torch.empty(self._shape, dtype=torch.float32, device=dev)
+        self._launch(q, kv.workspace, q_q, q_scale, q_dot_k_mean, *self._head, float(sm_scale), *self._tail,
+                     stream=stream)
+        return QuantizedQ(q_q, q_scale, q_dot_k_mean)
 
 
 @triton.jit
@@ -580,52 +604,89 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     bsz, seq_len, heads, dim = k.shape
     if d_pad < dim or d_pad & (d_pad - 1):
         raise ValueError(f"d_pad must be a power of two at least the head dim {dim}, got {d_pad}")
+    return kv_prepass(k, v, key_weight, block_n=block_n, d_pad=d_pad, k_per_token=k_per_token, smooth_v=smooth_v,
+                      v_dtype=v_dtype, pv_key_order=pv_key_order,
+                      n_programs_target=n_programs_target).run(k, v, key_weight)
+
+
+def kv_prepass(k, v, key_weight, *, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
+               n_programs_target=None) -> "KVPrepass":
+    """The :class:`KVPrepass` of these tensors (cached per shape, strides, alignment and device);
+    arguments as :func:`quantize_kv`, which checks them."""
+    bsz, seq_len, heads, _ = k.shape
     if n_programs_target is None:
         n_programs_target = prepass_programs_target(d_pad)
     n_split, tiles_per_program = kv_split(cdiv(seq_len, block_n), bsz * heads, n_programs_target)
-    return _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, block_n=block_n, d_pad=d_pad,
-                              k_per_token=k_per_token, smooth_v=smooth_v, v_dtype=v_dtype, pv_key_order=pv_key_order)
+    return _kv_prepass(tuple(k.shape), k.stride(), v.stride(), None if key_weight is None else key_weight.stride(),
+                       n_split, tiles_per_program, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
+                       launch_key(k, v, key_weight))
 
 
 def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n, d_pad, k_per_token, smooth_v,
                        v_dtype, pv_key_order) -> QuantizedKV:
     """quantize_kv's two launches with `n_split` programs per head of `tiles_per_program` tiles
     each (which must cover every tile; a program past the last tile owns none)."""
-    bsz, seq_len, heads, dim = k.shape
-    n_tiles = cdiv(seq_len, block_n)
-    s_pad = n_tiles * block_n
-    dev = k.device
-    v_fp8 = v_dtype == torch.float8_e4m3fn
-    ws, (k_mean, v_mean, v_scale, k_scale) = _workspace_views(
-        bsz, heads, d_pad, n_split, s_pad if k_per_token else n_tiles, dev)
+    return _kv_prepass(tuple(k.shape), k.stride(), v.stride(), None if key_weight is None else key_weight.stride(),
+                       n_split, tiles_per_program, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
+                       launch_key(k, v, key_weight)).run(k, v, key_weight)
 
-    has_weight = key_weight is not None
-    w_args = (key_weight, *key_weight.stride()) if has_weight else (ws, 0, 0)  # ws: an unused pointer
-    grid = (n_split, bsz * heads)
-    shared = (seq_len, dim, heads, n_split, tiles_per_program, n_tiles)
-    sub_n = _sub_tile(block_n, d_pad)
-    Relaunch.of(_fsattn_kv_stats_kernel)[grid](
-        k, v, w_args[0], ws, *shared, *k.stride(), *v.stride(), *w_args[1:],
-        HAS_WEIGHT=has_weight, V_MEAN=smooth_v and v_fp8, V_RANGE=v_fp8, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
-        LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS, maxnreg=prepass_max_registers(d_pad),
-    )
-    # Allocated while the statistics run: host time before the first launch leaves the GPU idle
-    # where nothing else is queued.
-    k_q = torch.empty(bsz, heads, s_pad, d_pad, dtype=torch.int8, device=dev)
-    v_t = torch.empty(bsz, heads, d_pad, s_pad, dtype=v_dtype, device=dev)
-    # The row-sum GEMM's B operand, stored (ROWSUM_COLS, S_pad) so that it is K-major.
-    rowsum_w = torch.empty(1 if key_weight is None else bsz, ROWSUM_COLS, s_pad, dtype=v_dtype, device=dev)
-    Relaunch.of(_quantize_kv_kernel)[grid](
-        k, v, w_args[0], ws, k_q, v_t, rowsum_w, *shared, s_pad, *k.stride(), *v.stride(), *w_args[1:],
-        HAS_WEIGHT=has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8, SMOOTH_V=smooth_v,
-        WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=IN_INTERPRETER, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
-        ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES, V_ERR_ROWS=min(V_ERR_ROWS, sub_n),
-        num_warps=PREPASS_WARPS,
-        # Per-block K scales: the K loop holds a whole tile, which spills under the ceiling.
-        maxnreg=prepass_max_registers(d_pad) if k_per_token else 255,
-    )
-    return QuantizedKV(
-        k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
-        rowsum_weights=rowsum_w, k_per_token=k_per_token, block_n=block_n, n_tiles=n_tiles,
-        seq_len=seq_len, pv_key_order=pv_key_order, workspace=ws, n_split=n_split,
-    )
+
+@functools.lru_cache(maxsize=256)
+def _kv_prepass(k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_program, block_n, d_pad, k_per_token,
+                smooth_v, v_dtype, pv_key_order, _launch_key) -> "KVPrepass":
+    return KVPrepass(k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_program, block_n=block_n,
+                     d_pad=d_pad, k_per_token=k_per_token, smooth_v=smooth_v, v_dtype=v_dtype,
+                     pv_key_order=pv_key_order)
+
+
+class KVPrepass:
+    """:func:`quantize_kv`'s two launches for one shape of K/V (`w_stride`: the key weights'
+    strides, None without weights), everything that depends only on shapes computed once:
+    ``run(k, v, key_weight)`` allocates and launches."""
+
+    def __init__(self, k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_program, *, block_n, d_pad,
+                 k_per_token, smooth_v, v_dtype, pv_key_order):
+        bsz, seq_len, heads, dim = k_shape
+        self.n_tiles = n_tiles = cdiv(seq_len, block_n)
+        self.s_pad = s_pad = n_tiles * block_n
+        self.n_split = n_split
+        self._bsz, self._heads, self._d_pad, self._seq_len = bsz, heads, d_pad, seq_len
+        self._k_scale_len = s_pad if k_per_token else n_tiles
+        self._v_dtype = v_dtype
+        self._has_weight = w_stride is not None
+        self._layout = dict(k_per_token=k_per_token, block_n=block_n, pv_key_order=pv_key_order)
+        v_fp8 = v_dtype == torch.float8_e4m3fn
+        grid = (n_split, bsz * heads)
+        shared = (seq_len, dim, heads, n_split, tiles_per_program, n_tiles)
+        strides = (*k_stride, *v_stride, *(w_stride if w_stride is not None else (0, 0)))
+        self._stats_args = (*shared, *strides)
+        self._pack_args = (*shared, s_pad, *strides)
+        sub_n = _sub_tile(block_n, d_pad)
+        self._stats = BoundLaunch(
+            _fsattn_kv_stats_kernel, grid, HAS_WEIGHT=self._has_weight, V_MEAN=smooth_v and v_fp8, V_RANGE=v_fp8,
+            BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad, LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS,
+            maxnreg=prepass_max_registers(d_pad))
+        self._pack = BoundLaunch(
+            _quantize_kv_kernel, grid, HAS_WEIGHT=self._has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8,
+            SMOOTH_V=smooth_v, WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=IN_INTERPRETER, BLOCK_N=block_n,
+            SUB_N=sub_n, D_PAD=d_pad, ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES,
+            V_ERR_ROWS=min(V_ERR_ROWS, sub_n), num_warps=PREPASS_WARPS,
+            # Per-block K scales: the K loop holds a whole tile, which spills under the ceiling.
+            maxnreg=prepass_max_registers(d_pad) if k_per_token else 255)
+
+    def run(self, k, v, key_weight, stream=None) -> QuantizedKV:
+        bsz, heads, d_pad, s_pad, dev = self._bsz, self._heads, self._d_pad, self.s_pad, k.device
+        ws, (k_mean, v_mean, v_scale, k_scale) = _workspace_views(bsz, heads, d_pad, self.n_split, self._k_scale_len,
+                                                                   dev)
+        w = key_weight if self._has_weight else ws  # ws: an unused pointer
+        self._stats(k, v, w, ws, *self._stats_args, stream=stream)
+        # Allocated while the statistics run: host time before the first launch leaves the GPU idle
+        # where nothing else is queued.
+        k_q = torch.empty(bsz, heads, s_pad, d_pad, dtype=torch.int8, device=dev)
+        v_t = torch.empty(bsz, heads, d_pad, s_pad, dtype=self._v_dtype, device=dev)
+        # The row-sum GEMM's B operand, stored (ROWSUM_COLS, S_pad) so that it is K-major.
+        rowsum_w = torch.empty(bsz if self._has_weight else 1, ROWSUM_COLS, s_pad, dtype=self._v_dtype, device=dev)
+        self._pack(k, v, w, ws, k_q, v_t, rowsum_w, *self._pack_args, stream=stream)
+        return QuantizedKV(k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
+                           rowsum_weights=rowsum_w, n_tiles=self.n_tiles, seq_len=self._seq_len, workspace=ws,
+                           n_split=self.n_split, **self._layout)

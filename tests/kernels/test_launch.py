@@ -33,7 +33,9 @@ class _Compiled:
 
     def __getitem__(self, grid):
         self.runners_built.append(grid)
-        return lambda *args: self.log.append(("direct", grid, args))
+        def runner(*args, stream=None):
+            self.log.append(("direct", grid, args) if stream is None else ("direct", grid, args, stream))
+        return runner
 
 
 class _JitFunction:
@@ -124,6 +126,53 @@ def test_cpu_tensors_always_take_tritons_path():
     for _ in range(2):
         relaunch[(1,)](torch.zeros(64), 32, 0.5, BLOCK=16)
     assert _paths(fn) == ["triton", "triton"]
+
+
+def test_a_bound_launch_goes_straight_to_the_compiled_kernel_after_its_first(jit):
+    x, y = torch.zeros(64), torch.ones(64)
+    bound = launch.BoundLaunch(jit, (4, 2), BLOCK=16, num_warps=4)
+    bound(x, 32, 0.5)
+    bound(y, 32, 0.25)
+    bound(x, 32, 0.125)
+    assert _paths(jit) == ["triton", "direct", "direct"]
+    assert jit.log[0][1:] == ((4, 2), (x, 32, 0.5), dict(BLOCK=16, num_warps=4))
+    assert jit.log[1][1:] == ((4, 2, 1), (y, 32, 0.25, 16, True))
+
+
+def test_a_bound_launch_hands_the_runner_the_stream_it_is_given(jit):
+    # One stream lookup per call of four launches, not one per launch (Triton's runner looks the
+    # current stream up itself when given none).
+    x = torch.zeros(64)
+    bound = launch.BoundLaunch(jit, (1,), BLOCK=16)
+    bound(x, 32, 0.5, stream=7)  # the first launch: Triton's own path, on the current stream
+    bound(x, 32, 0.5, stream=7)
+    bound(x, 32, 0.5)
+    assert jit.log[1] == ("direct", (1, 1, 1), (x, 32, 0.5, 16, True), 7)
+    assert jit.log[2] == ("direct", (1, 1, 1), (x, 32, 0.5, 16, True))
+
+
+def test_a_bound_launch_shares_its_kernels_with_relaunch(jit):
+    # One compilation per specialisation, whichever launched it first.
+    x = torch.zeros(64)
+    Relaunch.of(jit)[(1,)](x, 32, 0.5, BLOCK=16)
+    launch.BoundLaunch(jit, (1,), BLOCK=16)(x, 32, 0.5)
+    assert _paths(jit) == ["triton", "direct"]
+
+
+def test_a_bound_launch_on_cpu_tensors_always_takes_tritons_path():
+    fn = _JitFunction()
+    bound = launch.BoundLaunch(fn, (1,), BLOCK=16)
+    for _ in range(2):
+        bound(torch.zeros(64), 32, 0.5)
+    assert _paths(fn) == ["triton", "triton"]
+
+
+def test_the_launch_key_tells_apart_dtypes_and_alignment_not_values():
+    x = torch.zeros(64)
+    assert launch.launch_key(x, None) == launch.launch_key(torch.ones(64), None) == (-1, ((torch.float32, True), None))
+    assert launch.launch_key(x[1:], None) != launch.launch_key(x[4:], None)  # 4 bytes off, then 16 bytes off
+    assert launch.launch_key(x.half()) != launch.launch_key(x)
+    assert launch.launch_key(x, None) != launch.launch_key(x, x)
 
 
 def test_every_kernel_launch_site_goes_through_relaunch():

@@ -163,8 +163,18 @@ def _pretend_hopper(monkeypatch, gluon):
     triton_calls = []
     monkeypatch.setattr(planning, "gluon_module", lambda name: gluon)
     monkeypatch.setattr(ops, "target_of", lambda device: HOPPER)
-    monkeypatch.setattr(fwd, "fsattn_fwd", lambda q, kv, *a, **kw: triton_calls.append(kv))
+    monkeypatch.setattr(fwd, "prepare_fsattn_fwd",
+                        lambda q, kv, *a, **kw: SimpleNamespace(run=lambda *a: triton_calls.append(kv)))
     return triton_calls
+
+
+def _gluon_ws(launch):
+    """A stand-in for the warp-specialised Gluon module whose forward, once prepared, runs
+    `launch(q, kv, out, lse, sm_scale=..., num_stages=...)`."""
+    def prepare(q, kv, out, *, num_stages, **kwargs):
+        return SimpleNamespace(run=lambda q, kv, out, lse, sm_scale: launch(q, kv, out, lse, sm_scale=sm_scale,
+                                                                            num_stages=num_stages))
+    return SimpleNamespace(prepare_fsattn_fwd_gluon_ws=prepare)
 
 
 def _run(config, head_dim=64, seq=100):
@@ -172,7 +182,7 @@ def _run(config, head_dim=64, seq=100):
     q, k, v = (torch.randn(1, seq, 2, head_dim, generator=gen) for _ in range(3))
     weight = (torch.rand(1, seq, generator=gen) > 0.2).float()
     plan = ops.call_plan(config, torch.device("cpu"), head_dim, seq_k=seq)
-    ops._run_kernels(plan, config, q, k, v, weight, None, 0.125, q, "NHD")
+    ops._prepare_and_run(plan, config, q, k, v, weight, None, 0.125, "NHD")
     return k, v, weight
 
 
@@ -180,8 +190,8 @@ def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     from fsattn_diffusers.kernels.quantize import quantize_kv, wgmma_key_of_column
 
     received = []
-    triton_calls = _pretend_hopper(monkeypatch, SimpleNamespace(
-        fsattn_fwd_gluon_ws=lambda q, kv, *a, num_stages, **kw: received.append((kv, num_stages))))
+    triton_calls = _pretend_hopper(monkeypatch, _gluon_ws(
+        lambda q, kv, *a, num_stages, **kw: received.append((kv, num_stages))))
     k, v, weight = _run(FSAttnConfig(kernel="gluon_ws"))  # head dim 64 keeps the interpreter quick
     ((kv, stages),) = received
     assert triton_calls == [] and stages == 4 and kv.block_n == 128 and kv.pv_key_order == "wgmma"
@@ -204,11 +214,11 @@ def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, hea
 
     rows = []
 
-    def record(q, kv, out, lse, *, block_m, **kwargs):
+    def record(q, kv, out, *, block_m, **kwargs):
         rows.append(block_m)
         raise Recorded
 
-    monkeypatch.setattr(gluon_ws, "launch_operands", record)
+    monkeypatch.setattr(gluon_ws, "gluon_operands", record)
     _pretend_hopper(monkeypatch, gluon_ws)
     config = FSAttnConfig(kernel="gluon_ws")  # by name: "auto" runs the Triton kernel on 100 keys at 128
     with pytest.raises(Recorded):
@@ -232,7 +242,7 @@ def test_a_gluon_compile_failure_costs_speed_not_the_call(monkeypatch, failure):
         gluon_orders.append(kv.pv_key_order)
         raise errors[failure]
 
-    triton_calls = _pretend_hopper(monkeypatch, SimpleNamespace(fsattn_fwd_gluon_ws=broken))
+    triton_calls = _pretend_hopper(monkeypatch, _gluon_ws(broken))
     _run(FSAttnConfig(kernel="gluon_ws"))
     assert gluon_orders == ["wgmma"] and [kv.pv_key_order for kv in triton_calls] == ["natural"]
     assert planning._DISABLED_GLUON == {"fsattn_fwd_gluon_ws"}
@@ -243,7 +253,7 @@ def test_other_errors_in_a_gluon_kernel_are_raised(monkeypatch):
     def crashing(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    _pretend_hopper(monkeypatch, SimpleNamespace(fsattn_fwd_gluon_ws=crashing))
+    _pretend_hopper(monkeypatch, _gluon_ws(crashing))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         _run(FSAttnConfig(kernel="gluon_ws"))
     assert planning._DISABLED_GLUON == set()

@@ -1,0 +1,127 @@
+"""The op's prepared calls: a call of a kind seen before only allocates its buffers and launches.
+
+On the CPU the path the GPU takes (``ops._on_gpu``) runs on CPU tensors, with the real kernels in
+Triton's interpreter at its small tiles.
+"""
+
+import pytest
+import torch
+
+from fsattn_diffusers import FSAttnConfig, ops
+from fsattn_diffusers.attention import key_mask
+from fsattn_diffusers.plan import INTERPRETER
+
+CONFIG = FSAttnConfig().to_json()
+
+
+@pytest.fixture(autouse=True)
+def fresh_calls(monkeypatch, request):
+    """No call prepared yet; on the CPU, the interpreter's tiles."""
+    monkeypatch.setattr(ops, "_prepared_calls", {})
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(ops, "target_of", lambda device: INTERPRETER)
+
+
+def _operands(seed, layout="NHD", mask=None, shape=(1, 40, 2, 32), dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(3))
+    attn_mask = None
+    if mask is not None:
+        keep = torch.rand(shape[0], 1, 1, shape[1], generator=gen) > 0.3
+        attn_mask = keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    weight, bias = key_mask(attn_mask, q, k)
+    if layout == "HND":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return q, k, v, weight, bias
+
+
+def _call(operands, layout="NHD", config=CONFIG):
+    return ops._on_gpu(*operands, 0.2, layout, config, -1)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_a_second_call_of_a_kind_reuses_its_preparation_and_gives_what_a_first_call_gives(layout, mask):
+    first = _call(_operands(1, layout, mask), layout)
+    (prepared,) = ops._prepared_calls.values()
+    second_operands = _operands(2, layout, mask)
+    second = _call(second_operands, layout)
+    assert list(ops._prepared_calls.values()) == [prepared]
+    ops._prepared_calls.clear()
+    unprepared = _call(second_operands, layout)  # the first-call path on the same operands
+    assert ops._prepared_calls and list(ops._prepared_calls.values()) != [prepared]
+    assert torch.equal(second[0], unprepared[0]) and torch.equal(second[1], unprepared[1])
+    assert not torch.equal(first[0], second[0])  # not the first call's buffers handed back
+    assert second[0].shape == second_operands[0].shape and second[0].is_contiguous()
+
+
+def test_every_property_a_preparation_depends_on_is_in_its_key():
+    base = _operands(1)
+    q, k, v, w, b = base
+    variants = {
+        "another length": _operands(1, shape=(1, 48, 2, 32)),
+        "another dtype": _operands(1, dtype=torch.float16),
+        "other strides": (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, w, b),
+        "unaligned": (torch.cat([q.flatten(), q.flatten()[:1]])[1:].view(q.shape), k, v, w, b),
+        "a key-padding mask": _operands(1, mask="bool"),
+        "a float mask": _operands(1, mask="float"),
+    }
+    keys = [ops._call_key(*base[:5], "NHD", CONFIG), ops._call_key(*base[:5], "HND", CONFIG),
+            ops._call_key(*base[:5], "NHD", FSAttnConfig(block_n=64).to_json())]
+    keys += [ops._call_key(*operands, "NHD", CONFIG) for operands in variants.values()]
+    assert len(set(keys)) == len(keys)
+    # Other values of the same kind: the same key.
+    assert ops._call_key(*_operands(7), "NHD", CONFIG) == keys[0]
+
+
+def test_each_kind_of_call_is_prepared_once():
+    for seed in range(3):
+        _call(_operands(seed))
+        _call(_operands(seed, shape=(1, 24, 2, 32)))
+    assert len(ops._prepared_calls) == 2
+
+
+def _gpu_operands(seed, head_dim, seq_k, mask):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, 700, 4, head_dim, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(1, seq_k, 4, head_dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    attn_mask = None
+    if mask is not None:
+        keep = torch.rand(1, 1, 1, seq_k, device="cuda", generator=gen) > 0.3
+        attn_mask = keep if mask == "bool" else torch.zeros(keep.shape, device="cuda").masked_fill(~keep, -1e4)
+    return q, k, v, attn_mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, seq_k", [(128, 3000), (128, 300), (64, 3000)])  # warp-specialised, Triton
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_gpu_a_prepared_call_gives_the_bytes_of_a_first_call(head_dim, seq_k, mask):
+    from fsattn_diffusers import fsattn
+
+    q, k, v, attn_mask = _gpu_operands(1, head_dim, seq_k, mask)
+    fsattn(q, k, v, attn_mask=attn_mask)
+    assert len(ops._prepared_calls) == 1
+    q, k, v, attn_mask = _gpu_operands(2, head_dim, seq_k, mask)
+    prepared = fsattn(q, k, v, attn_mask=attn_mask, return_lse=True)
+    ops._prepared_calls.clear()
+    first = fsattn(q, k, v, attn_mask=attn_mask, return_lse=True)
+    assert torch.equal(prepared[0], first[0]) and torch.equal(prepared[1], first[1])
+
+
+@pytest.mark.gpu
+def test_gpu_a_prepared_call_launches_on_the_current_stream():
+    # Operands written on a busy side stream: launches on any other stream would read them unwritten.
+    from fsattn_diffusers import fsattn
+
+    q, k, v, _ = _gpu_operands(3, 128, 3000, None)
+    expected = fsattn(q, k, v)  # prepares the call
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(30):
+            busy = busy @ busy / 64
+        q2, k2, v2 = (t + busy[0, 0].clamp(0, 0) for t in (q, k, v))
+        got = fsattn(q2, k2, v2)
+    side.synchronize()
+    assert torch.equal(got, expected)
