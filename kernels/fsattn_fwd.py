@@ -348,7 +348,7 @@ def prepare_fsattn_fwd(q, kv, out, bias=None, *, frozen=FROZEN_RESCALE, exp_mode
     bias_stride = None if bias is None else (bias.stride(0) if bias.shape[0] > 1 else 0)
     return _triton_forward(tuple(q.shape), q.stride(), tuple(kv.k_q.shape), kv.block_n, kv.n_tiles, kv.n_split,
                            kv.k_per_token, tuple(kv.rowsum_weights.shape), kv.rowsum_weights.stride(0), out.stride(),
-                           bias_stride, options, launch_key(q, out, bias))
+                           bias_stride, options, launch_key(q, out, bias, kv.v_t, kv.rowsum_weights))
 
 
 @functools.lru_cache(maxsize=256)

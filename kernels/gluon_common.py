@@ -116,7 +116,8 @@ def gluon_operands(q, kv, out, *, block_m, q_tile_rows) -> "GluonOperands":
     if kv.rowsum_weights.shape[1] != ROWSUM_COLS:
         raise ValueError(f"the row-sum weights must have {ROWSUM_COLS} rows, got {kv.rowsum_weights.shape[1]}")
     return _gluon_operands(tuple(q.shape), q.stride(), tuple(kv.k_q.shape), kv.block_n, kv.n_tiles, kv.n_split,
-                           kv.rowsum_weights.shape[0], out.stride(), block_m, q_tile_rows, launch_key(q, out))
+                           kv.rowsum_weights.shape[0], out.stride(), block_m, q_tile_rows,
+                           launch_key(q, out, kv.v_t, kv.rowsum_weights))
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,7 +10,7 @@ too) and the single-warpgroup one (``kernel="gluon"``, opt-in). Each is checked 
 import pytest
 import torch
 
-from fsattn_diffusers import FSAttnConfig, fsattn
+from fsattn_diffusers import FSAttnConfig, fsattn, ops
 from fsattn_diffusers import plan as planning
 from fsattn_diffusers.metrics import cosine_similarity as cosine
 from fsattn_diffusers.metrics import relative_l1 as rel_l1
@@ -21,9 +21,27 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is written for Hopper (sm_90) wgmma and TMA")]
 
 TRITON = FSAttnConfig(kernel="triton")
-# kernel name -> (module, launcher)
-GLUON_KERNELS = {"gluon": ("fsattn_fwd_gluon", "fsattn_fwd_gluon"),
-                 "gluon_ws": ("fsattn_fwd_gluon_ws", "fsattn_fwd_gluon_ws")}
+# kernel name -> (module, the function that prepares its forward for the op)
+GLUON_KERNELS = {"gluon": ("fsattn_fwd_gluon", "prepare_fsattn_fwd_gluon"),
+                 "gluon_ws": ("fsattn_fwd_gluon_ws", "prepare_fsattn_fwd_gluon_ws")}
+
+
+def _count_runs(monkeypatch, module, prepare_name, record):
+    """Make `module`'s prepared forwards call `record(q)` after each run that returned, and
+    forget the op's prepared calls (made before the count)."""
+    real = getattr(module, prepare_name)
+
+    class Counted:
+        def __init__(self, forward):
+            self._forward = forward
+
+        def run(self, q, *args, **kwargs):
+            result = self._forward.run(q, *args, **kwargs)
+            record(q)
+            return result
+
+    monkeypatch.setattr(module, prepare_name, lambda *args, **kwargs: Counted(real(*args, **kwargs)))
+    monkeypatch.setattr(ops, "_prepared_calls", {})
 
 
 @pytest.fixture(params=list(GLUON_KERNELS))
@@ -41,14 +59,7 @@ def gluon_calls(monkeypatch, kernel):
     monkeypatch.setattr(planning, "_DISABLED_GLUON", set())
     planning._plan.cache_clear()
     calls = []
-    real = getattr(module, launcher)
-
-    def counted(*args, **kwargs):
-        result = real(*args, **kwargs)
-        calls.append(args[0].shape)
-        return result
-
-    monkeypatch.setattr(module, launcher, counted)
+    _count_runs(monkeypatch, module, launcher, lambda q: calls.append(q.shape))
     yield calls
     assert planning._DISABLED_GLUON == set(), "a Gluon kernel failed to compile and was switched off"
 
@@ -187,25 +198,14 @@ def test_auto_runs_the_warp_specialised_kernel_at_head_dims_64_and_128_unless_fe
     monkeypatch.setattr(planning, "_DISABLED_GLUON", set())
     planning._plan.cache_clear()
     calls = {}
-    for name, (module_name, launcher) in GLUON_KERNELS.items():
-        module = planning.gluon_module(module_name)
-        real = getattr(module, launcher)
-
-        def counted(*args, _name=name, _real=real, **kwargs):
-            result = _real(*args, **kwargs)
-            calls[_name] = calls.get(_name, 0) + 1
-            return result
-
-        monkeypatch.setattr(module, launcher, counted)
     from fsattn_diffusers.kernels import fsattn_fwd as fwd
 
-    triton_launcher = fwd.fsattn_fwd
+    def counter(name):
+        return lambda q: calls.__setitem__(name, calls.get(name, 0) + 1)
 
-    def triton_counted(*args, **kwargs):
-        calls["triton"] = calls.get("triton", 0) + 1
-        return triton_launcher(*args, **kwargs)
-
-    monkeypatch.setattr(fwd, "fsattn_fwd", triton_counted)
+    for name, (module_name, launcher) in GLUON_KERNELS.items():
+        _count_runs(monkeypatch, planning.gluon_module(module_name), launcher, counter(name))
+    _count_runs(monkeypatch, fwd, "prepare_fsattn_fwd", counter("triton"))
     for head_dim in (128, 64, 32):
         q = torch.randn(1, 2048, 2, head_dim, device="cuda", dtype=torch.bfloat16)
         fsattn(q, q, q)
