@@ -19,7 +19,7 @@ import torch
 from . import plan as planning
 from . import stats
 from .config import FSAttnConfig
-from .kernels.launch import current_stream, launch_key
+from .kernels.launch import Address, carve, carved_bytes, current_stream, launch_key
 from .plan import EMULATION, INTERPRETER, plan_for
 from .reference import LOG2E, emulate_fsattn
 
@@ -143,7 +143,8 @@ class PreparedCall:
     the forward (Q's quantisation and the attention kernel), each prepared for its shapes, so
     that a call only allocates its buffers and launches. ``run`` takes the call's operands."""
 
-    __slots__ = ("kv_prepass", "forward", "with_counter", "layout", "lse_shape", "q_tiles")
+    __slots__ = ("kv_prepass", "forward", "with_counter", "layout", "lse_shape", "q_tiles", "_sizes", "_bytes",
+                 "_buffers")
 
     def __init__(self, kv_prepass, forward, with_counter: bool, layout: str, lse_shape: tuple, q_tiles: int):
         self.kv_prepass = kv_prepass
@@ -152,32 +153,52 @@ class PreparedCall:
         self.layout = layout
         self.lse_shape = lse_shape
         self.q_tiles = q_tiles
+        # The pre-passes' buffers (workspace, K, V, row-sum weights; Q, its scales, q . k_mean),
+        # carved from one allocation on a GPU.
+        self._sizes = kv_prepass.buffer_bytes + forward.q_buffer_bytes
+        self._bytes = carved_bytes(self._sizes)
+        from .kernels.quantize import PrepassBuffers  # imports Triton: not at the module's import
+
+        self._buffers = PrepassBuffers
 
     def run(self, query, key, value, key_weight, key_bias, scale, stream=None):
-        """Launch on `stream` (a raw handle: :func:`~fsattn_diffusers.kernels.launch.current_stream`;
-        None: looked up at each launch)."""
+        """Launch on `stream` (a raw handle: :func:`~fsattn_diffusers.kernels.launch.current_stream`),
+        with the pre-passes' buffers carved from one allocation and passed by address; without a
+        stream (CPU tensors: Triton's interpreter) in buffers of their own, each launch on the
+        current stream."""
         layout = self.layout
         q, k, v = (query, key, value) if layout == "NHD" else (t.transpose(1, 2) for t in (query, key, value))
-        kv = self.kv_prepass.run(k, v, key_weight, stream)
-        # Allocated after the K/V launches, while they run (host time before the first launch
-        # leaves the GPU idle where nothing else is queued).
         out_in_layout = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=query.device)
         out = out_in_layout if layout == "NHD" else out_in_layout.transpose(1, 2)
+        bias = _log2_bias(key_bias, self.kv_prepass.s_pad)
+        if stream is None:
+            kv = self.kv_prepass.run(k, v, key_weight)
+            if self.with_counter:
+                self.forward.run(q, kv, out, lse, stats.fallback_counter(q.device), scale, bias)
+            else:
+                self.forward.run(q, kv, out, lse, scale)
+            return out_in_layout, lse
+        # Freed on return, while the kernels may still run: the caching allocator hands the
+        # bytes out again only in this stream's order, after them.
+        scratch = torch.empty(self._bytes, dtype=torch.uint8, device=query.device)
+        ws, k_q, v_t, rowsum, q_q, q_scale, q_dot_k_mean = carve(scratch, self._sizes)
+        self.kv_prepass.launch(k, v, key_weight, ws, k_q, v_t, rowsum, stream)
+        k_mean, v_mean, v_scale, k_scale = (Address(ws + offset) for offset in self.kv_prepass.stat_offsets)
+        buffers = self._buffers(ws, k_q, k_scale, k_mean, v_t, v_scale, v_mean, rowsum, q_q, q_scale, q_dot_k_mean)
         if self.with_counter:
-            self.forward.run(q, kv, out, lse, stats.fallback_counter(q.device), scale, _log2_bias(key_bias, kv),
-                             stream)
+            self.forward.run_into(q, buffers, out, lse, stats.fallback_counter(q.device), scale, bias, stream)
         else:
-            self.forward.run(q, kv, out, lse, scale, stream)
+            self.forward.run_into(q, buffers, out, lse, scale, stream)
         return out_in_layout, lse
 
 
-def _log2_bias(key_bias, kv):
-    """The Triton kernel's bias: `key_bias` in log2 units, padding keys at -inf (None: None)."""
+def _log2_bias(key_bias, s_pad: int):
+    """The Triton kernel's bias: `key_bias` in log2 units over `s_pad` keys, padding keys at
+    -inf (None: None)."""
     if key_bias is None:
         return None
-    bias = torch.full((key_bias.shape[0], kv.k_q.shape[2]), float("-inf"), dtype=torch.float32,
-                      device=key_bias.device)
+    bias = torch.full((key_bias.shape[0], s_pad), float("-inf"), dtype=torch.float32, device=key_bias.device)
     bias[:, : key_bias.shape[1]] = key_bias * LOG2E
     return bias
 
@@ -225,7 +246,7 @@ def _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, 
         return _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, layout)
     from .kernels import fsattn_fwd as fwd
 
-    bias = _log2_bias(key_bias, kv)
+    bias = _log2_bias(key_bias, prepass.s_pad)
     forward = fwd.prepare_fsattn_fwd(q, kv, out, bias, frozen=plan.max_mode_for(k.shape[1]), exp_mode=plan.exp_mode,
                                      pv_fp32=plan.pv_fp32, rowsum_mma=plan.rowsum_mma,
                                      max_threshold=plan.max_threshold, block_m=plan.block_m,

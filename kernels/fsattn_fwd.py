@@ -44,7 +44,7 @@ from .configs import (EXP_MODE_BITS, EXP_MODE_HALF, EXP_MODE_SFU, FP_FUSION, FRO
                       FROZEN_RECOMPUTE, FROZEN_RESCALE)
 from .launch import BoundLaunch, cdiv, launch_key
 from .lowp import IN_INTERPRETER, LN2, LOG2E, dot_lowp, to_low_precision
-from .quantize import QPrepass
+from .quantize import PrepassBuffers, QPrepass
 
 # 1.5 * 2**23: adding it to a float below 2**22 in magnitude rounds that float to an integer in
 # the low mantissa bits (the bit-level exponential's floor and byte extraction).
@@ -370,6 +370,7 @@ class TritonForward:
         bsz, seq_q, n_q_heads, head_dim = q_shape
         _, n_kv_heads, s_pad, d_pad = kq_shape
         self._q = QPrepass(q_shape, q_stride, n_kv_heads, d_pad, n_split, block_m, block_m)
+        self.q_buffer_bytes = self._q.buffer_bytes
         self._ints = (seq_q, self._q.q_pad, head_dim, n_q_heads, n_q_heads // n_kv_heads, n_tiles, s_pad,
                       float(max_threshold), *out_stride, rowsum_stride if rowsum_shape[0] > 1 else 0,
                       bias_stride or 0)
@@ -381,7 +382,17 @@ class TritonForward:
             enable_fp_fusion=FP_FUSION)
 
     def run(self, q, kv, out, lse, fallback_counter, sm_scale, bias=None, stream=None):
-        qq = self._q.run(q, kv, sm_scale, stream)
-        self._launch(qq.q_q, qq.q_scale, qq.q_dot_k_mean, out, lse, kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale,
-                     kv.v_mean, kv.rowsum_weights, bias if bias is not None else kv.k_scale, fallback_counter,
+        buffers = PrepassBuffers.of(kv, self._q.run(q, kv, sm_scale, stream))
+        self._launch_on(buffers, out, lse, fallback_counter, bias, stream)
+
+    def run_into(self, q, buffers, out, lse, fallback_counter, sm_scale, bias=None, stream=None):
+        """As :meth:`run`, with Q quantised into `buffers`: the :class:`~.quantize.PrepassBuffers`
+        of one allocation (:class:`~.launch.Address` es)."""
+        b = buffers
+        self._q.launch(q, b.workspace, b.q_q, b.q_scale, b.q_dot_k_mean, sm_scale, stream)
+        self._launch_on(b, out, lse, fallback_counter, bias, stream)
+
+    def _launch_on(self, b, out, lse, fallback_counter, bias, stream):
+        self._launch(b.q_q, b.q_scale, b.q_dot_k_mean, out, lse, b.k_q, b.k_scale, b.k_mean, b.v_t, b.v_scale,
+                     b.v_mean, b.rowsum_weights, bias if bias is not None else b.k_scale, fallback_counter,
                      *self._ints, stream=stream)

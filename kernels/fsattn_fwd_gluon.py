@@ -173,8 +173,16 @@ class GluonForward:
 
     def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int):
         self._operands = operands
+        self.q_buffer_bytes = operands.q_buffer_bytes
         self._launch = BoundLaunch(_fsattn_fwd_gluon_kernel, operands.grid, BLOCK_M=64, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     def run(self, q, kv, out, lse, sm_scale, stream=None):
-        self._launch(*self._operands.args(q, kv, out, lse, sm_scale, stream), stream=stream)
+        self._launch(*self._operands.args(self._operands.q_buffers(q, kv, sm_scale, stream), out, lse),
+                     stream=stream)
+
+    def run_into(self, q, buffers, out, lse, sm_scale, stream=None):
+        """As :meth:`run`, with Q quantised into `buffers`: the
+        :class:`~.quantize.PrepassBuffers` of one allocation (:class:`~.launch.Address` es)."""
+        self._operands.quantize_q_into(q, buffers, sm_scale, stream)
+        self._launch(*self._operands.args(buffers, out, lse), stream=stream)

@@ -543,6 +543,7 @@ class GluonWSForward:
     def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, speculative: bool):
         consumers = gluon_ws_consumers(block_n, d_pad)
         self._operands = operands
+        self.q_buffer_bytes = operands.q_buffer_bytes
         self._ks_in_ring = gluon_ws_ks_in_ring(d_pad)
         self._block_n = block_n
         self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
@@ -551,9 +552,17 @@ class GluonWSForward:
                                    KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     def run(self, q, kv, out, lse, sm_scale, stream=None):
-        args = self._operands.args(q, kv, out, lse, sm_scale, stream)
+        self._launch_on(self._operands.q_buffers(q, kv, sm_scale, stream), out, lse, stream)
+
+    def run_into(self, q, buffers, out, lse, sm_scale, stream=None):
+        """As :meth:`run`, with Q quantised into `buffers`: the
+        :class:`~.quantize.PrepassBuffers` of one allocation (:class:`~.launch.Address` es)."""
+        self._operands.quantize_q_into(q, buffers, sm_scale, stream)
+        self._launch_on(buffers, out, lse, stream)
+
+    def _launch_on(self, buffers, out, lse, stream):
+        args = self._operands.args(buffers, out, lse)
         # A TMA descriptor costs host time at every launch: only where the kernel reads it.
-        ks = kv.k_scale
-        ks_desc = (_descriptor(ks, (self._block_n,), gl.float32, (ks.numel(),), (1,)) if self._ks_in_ring
-                   else None)
+        ks_desc = (_descriptor(buffers.k_scale, (self._block_n,), gl.float32, (self._operands.k_scale_numel,), (1,))
+                   if self._ks_in_ring else None)
         self._launch(*args[:4], ks_desc, *args[4:], stream=stream)

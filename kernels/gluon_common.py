@@ -11,9 +11,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import cdiv, launch_key
+from .launch import Address, cdiv, launch_key
 from .lowp import LN2
-from .quantize import ROWSUM_COLS, QPrepass
+from .quantize import ROWSUM_COLS, PrepassBuffers, QPrepass
 
 ROWSUM_N = gl.constexpr(ROWSUM_COLS)
 
@@ -82,21 +82,26 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
 _descriptor_fields: dict = {}
 
 
-def _descriptor(t: torch.Tensor, block_shape: tuple, dtype, shape=None, strides=None) -> TensorDescriptor:
-    """A TMA descriptor of `t`, one of the pre-passes' fresh contiguous buffers, as a 2-D tensor
-    of `shape` and `strides` (default: `t`'s own, `t` then 1-D or 2-D).
+def _descriptor(t, block_shape: tuple, dtype, shape=None, strides=None) -> TensorDescriptor:
+    """A TMA descriptor of `t`, one of the pre-passes' fresh contiguous buffers (a tensor, or the
+    :class:`~.launch.Address` of one), as a 2-D tensor of `shape` and `strides` (default: `t`'s
+    own, `t` then a 1-D or 2-D tensor).
 
     The shared-memory layout and TensorDescriptor's own checks (16-byte aligned base and rows,
     positive shape) cost about as much host time as the rest of the launch. The layout depends
     only on the tile and dtype, and the checks hold by construction for these buffers (torch
     allocations whose 2-D rows are a multiple of 16 bytes; a 1-D buffer's caller checks its base),
-    so both are done for the first descriptor of each tile and dtype; later ones take its other
-    fields (never its tensor) with their own tensor's. The launch reads only the base's address."""
-    key = (block_shape, dtype, t.dtype)
+    so both are done for the first descriptor of each tile and dtype, which must be of a tensor;
+    later ones take its other fields (never its tensor) with their own base. The launch reads only
+    the base's address (``data_ptr()``)."""
+    key = (block_shape, dtype)
     fields = _descriptor_fields.get(key)
-    if not t.is_contiguous():
+    if isinstance(t, Address):
+        if fields is None:
+            raise RuntimeError(f"the first TMA descriptor of a {block_shape} {dtype} tile must be of a tensor")
+    elif not t.is_contiguous():
         raise ValueError(f"TMA operands here are contiguous buffers, got strides {t.stride()}")
-    if fields is None:
+    elif fields is None:
         view = t if shape is None else t.view(shape)
         layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
         desc = TensorDescriptor.from_tensor(view, list(block_shape), layout)
@@ -129,9 +134,8 @@ def _gluon_operands(q_shape, q_stride, kq_shape, block_n, n_tiles, n_split, rows
 
 class GluonOperands:
     """What both Gluon kernels take, for one shape of Q, of the quantised K/V and of the output,
-    everything that depends only on shapes computed once: ``grid``, and ``args(q, kv, out, lse,
-    sm_scale, stream=None)``, which quantises Q (on `stream`) and returns the positional arguments
-    (TMA descriptors of Q, K, V and the row-sum weights first).
+    everything that depends only on shapes computed once: ``grid``, Q's quantisation
+    (:meth:`q_buffers`, :meth:`quantize_q_into`) and the kernels' arguments (:meth:`args`).
 
     `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
     """
@@ -152,13 +156,25 @@ class GluonOperands:
         self._ints = (seq_q, q_pad, head_dim, n_q_heads, n_q_heads // n_kv_heads, n_tiles, s_pad,
                       ROWSUM_COLS if rowsum_batches > 1 else 0, *out_stride[:3])
         self.grid = (cdiv(seq_q, block_m), n_q_heads, bsz)
+        self.q_buffer_bytes = self._q.buffer_bytes
+        self.k_scale_numel = bsz * n_kv_heads * s_pad  # one K scale per key where they go by TMA
 
-    def args(self, q, kv, out, lse, sm_scale, stream=None) -> tuple:
-        qq = self._q.run(q, kv, sm_scale, stream)
+    def q_buffers(self, q, kv, sm_scale, stream=None) -> PrepassBuffers:
+        """Quantise Q into fresh tensors; returns them with `kv`'s."""
+        return PrepassBuffers.of(kv, self._q.run(q, kv, sm_scale, stream))
+
+    def quantize_q_into(self, q, buffers: PrepassBuffers, sm_scale, stream=None):
+        """Quantise Q into `buffers` (:class:`~.launch.Address` es of :attr:`q_buffer_bytes`)."""
+        self._q.launch(q, buffers.workspace, buffers.q_q, buffers.q_scale, buffers.q_dot_k_mean, sm_scale, stream)
+
+    def args(self, buffers: PrepassBuffers, out, lse) -> tuple:
+        """The kernels' positional arguments (TMA descriptors of Q, K, V and the row-sum weights
+        first) over quantised `buffers`."""
+        b = buffers
         (qb, qt, qs, qst), (kb, kt, ks, kst), (vb, vt, vs, vst), (wb, wt, ws, wst) = self._q_desc, *self._kv_descs
-        return (_descriptor(qq.q_q, qb, qt, qs, qst), _descriptor(kv.k_q, kb, kt, ks, kst),
-                _descriptor(kv.v_t, vb, vt, vs, vst), _descriptor(kv.rowsum_weights, wb, wt, ws, wst),
-                qq.q_scale, qq.q_dot_k_mean, kv.k_scale, kv.v_scale, kv.v_mean, out, lse, *self._ints)
+        return (_descriptor(b.q_q, qb, qt, qs, qst), _descriptor(b.k_q, kb, kt, ks, kst),
+                _descriptor(b.v_t, vb, vt, vs, vst), _descriptor(b.rowsum_weights, wb, wt, ws, wst),
+                b.q_scale, b.q_dot_k_mean, b.k_scale, b.v_scale, b.v_mean, out, lse, *self._ints)
 
 
 def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
@@ -167,4 +183,4 @@ def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
     `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
     """
     operands = gluon_operands(q, kv, out, block_m=block_m, q_tile_rows=q_tile_rows)
-    return operands.grid, operands.args(q, kv, out, lse, sm_scale)
+    return operands.grid, operands.args(operands.q_buffers(q, kv, sm_scale), out, lse)

@@ -192,6 +192,34 @@ class BoundLaunch:
         self._fast = self._relaunch.runner(self._grid, args, self._meta)
 
 
+class Address(int):
+    """A device address where a kernel takes a pointer. Triton's launchers (3.6-3.9) take an int
+    argument as the address itself, where a tensor costs a ``data_ptr()`` call and a driver query;
+    ``data_ptr()`` makes it a TMA descriptor's base. Only for launches that skip Triton's
+    specialisation (:class:`BoundLaunch` after its first launch, which saw tensors)."""
+
+    __slots__ = ()
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+def carve(buffer: torch.Tensor, sizes) -> list:
+    """:class:`Address` es of consecutive regions of `sizes` bytes in `buffer` (uint8, at least
+    :func:`carved_bytes` of `sizes` long), each 256-byte aligned as a fresh allocation is."""
+    base = buffer.data_ptr()
+    addresses = []
+    for size in sizes:
+        addresses.append(Address(base))
+        base += -(-size // 256) * 256
+    return addresses
+
+
+def carved_bytes(sizes) -> int:
+    """The bytes :func:`carve` takes for regions of `sizes` bytes."""
+    return sum(-(-size // 256) * 256 for size in sizes)
+
+
 def current_stream(device: int):
     """The raw handle of the current CUDA stream of `device`, as Triton's launches look it up
     (one lookup for a call's launches instead of one each)."""

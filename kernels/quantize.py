@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -244,6 +245,28 @@ class QuantizedQ:
     q_dot_k_mean: torch.Tensor  # fp32 (B, Hq, Sq_pad): sm_scale * q . k_mean, for the LSE
 
 
+class PrepassBuffers(NamedTuple):
+    """Every pre-pass buffer a forward kernel reads, as tensors (:meth:`of`) or as
+    :class:`~.launch.Address` es in one allocation: the forward launchers take either."""
+
+    workspace: object
+    k_q: object
+    k_scale: object
+    k_mean: object
+    v_t: object
+    v_scale: object
+    v_mean: object
+    rowsum_weights: object
+    q_q: object
+    q_scale: object
+    q_dot_k_mean: object
+
+    @classmethod
+    def of(cls, kv: QuantizedKV, qq: QuantizedQ) -> "PrepassBuffers":
+        return cls(kv.workspace, kv.k_q, kv.k_scale, kv.k_mean, kv.v_t, kv.v_scale, kv.v_mean, kv.rowsum_weights,
+                   qq.q_q, qq.q_scale, qq.q_dot_k_mean)
+
+
 @triton.jit
 def _quantize_q_kernel(
     q_ptr, ws_ptr, qq_ptr, qs_ptr, qkm_ptr,
@@ -317,7 +340,9 @@ def _q_prepass(q_shape, q_stride, kv_heads, d_pad, n_split, block_m, pad_multipl
 
 class QPrepass:
     """:func:`quantize_q`'s launch for one shape of Q and of the K/V workspace, everything that
-    depends only on shapes computed once: ``run(q, kv, sm_scale)`` allocates and launches."""
+    depends only on shapes computed once: ``run(q, kv, sm_scale)`` allocates and launches;
+    ``launch`` takes the buffers (tensors, or :class:`~.launch.Address` es of buffers laid out as
+    :attr:`buffer_bytes` says)."""
 
     def __init__(self, q_shape, q_stride, kv_heads, d_pad, n_split, block_m, pad_multiple):
         bsz, seq_len, heads, dim = q_shape
@@ -326,6 +351,9 @@ class QPrepass:
         self._d_pad = d_pad
         self._head = (seq_len, dim, heads, heads // kv_heads, self.q_pad)
         self._tail = (n_split, *q_stride)
+        rows = bsz * heads * self.q_pad
+        # Bytes of q_q, q_scale and q_dot_k_mean.
+        self.buffer_bytes = (rows * d_pad, rows * 4, rows * 4)
         self._launch = BoundLaunch(_quantize_q_kernel, (self.q_pad // block_m, heads, bsz), BLOCK_M=block_m,
                                    D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER,
                                    num_warps=q_warps(block_m, d_pad))
@@ -335,9 +363,12 @@ class QPrepass:
         q_q = torch.empty(*self._shape, self._d_pad, dtype=torch.int8, device=dev)
         q_scale = torch.empty(self._shape, dtype=torch.float32, device=dev)
         q_dot_k_mean = torch.empty(self._shape, dtype=torch.float32, device=dev)
-        self._launch(q, kv.workspace, q_q, q_scale, q_dot_k_mean, *self._head, float(sm_scale), *self._tail,
-                     stream=stream)
+        self.launch(q, kv.workspace, q_q, q_scale, q_dot_k_mean, sm_scale, stream)
         return QuantizedQ(q_q, q_scale, q_dot_k_mean)
+
+    def launch(self, q, workspace, q_q, q_scale, q_dot_k_mean, sm_scale, stream=None):
+        self._launch(q, workspace, q_q, q_scale, q_dot_k_mean, *self._head, float(sm_scale), *self._tail,
+                     stream=stream)
 
 
 @triton.jit
@@ -642,7 +673,9 @@ def _kv_prepass(k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_progra
 class KVPrepass:
     """:func:`quantize_kv`'s two launches for one shape of K/V (`w_stride`: the key weights'
     strides, None without weights), everything that depends only on shapes computed once:
-    ``run(k, v, key_weight)`` allocates and launches."""
+    ``run(k, v, key_weight)`` allocates and launches; ``launch`` takes the buffers (tensors, or
+    :class:`~.launch.Address` es of buffers laid out as :attr:`buffer_bytes` says, and
+    :attr:`stat_offsets` within the workspace)."""
 
     def __init__(self, k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_program, *, block_n, d_pad,
                  k_per_token, smooth_v, v_dtype, pv_key_order):
@@ -656,6 +689,14 @@ class KVPrepass:
         self._has_weight = w_stride is not None
         self._layout = dict(k_per_token=k_per_token, block_n=block_n, pv_key_order=pv_key_order)
         v_fp8 = v_dtype == torch.float8_e4m3fn
+        row = bsz * heads * d_pad
+        v_bytes = v_dtype.itemsize
+        # Bytes of the workspace, k_q, v_t and the row-sum weights; offsets in bytes of k_mean,
+        # v_mean, v_scale and k_scale in the workspace (`_workspace_views`).
+        workspace_bytes = 4 * ((5 + 6 * n_split) * row + bsz * heads * self._k_scale_len)
+        rowsum_rows = (bsz if w_stride is not None else 1) * ROWSUM_COLS
+        self.buffer_bytes = (workspace_bytes, row * s_pad, row * s_pad * v_bytes, rowsum_rows * s_pad * v_bytes)
+        self.stat_offsets = (0, 4 * row, 8 * row, 4 * (5 + 6 * n_split) * row)
         grid = (n_split, bsz * heads)
         shared = (seq_len, dim, heads, n_split, tiles_per_program, n_tiles)
         strides = (*k_stride, *v_stride, *(w_stride if w_stride is not None else (0, 0)))
@@ -678,15 +719,16 @@ class KVPrepass:
         bsz, heads, d_pad, s_pad, dev = self._bsz, self._heads, self._d_pad, self.s_pad, k.device
         ws, (k_mean, v_mean, v_scale, k_scale) = _workspace_views(bsz, heads, d_pad, self.n_split, self._k_scale_len,
                                                                    dev)
-        w = key_weight if self._has_weight else ws  # ws: an unused pointer
-        self._stats(k, v, w, ws, *self._stats_args, stream=stream)
-        # Allocated while the statistics run: host time before the first launch leaves the GPU idle
-        # where nothing else is queued.
         k_q = torch.empty(bsz, heads, s_pad, d_pad, dtype=torch.int8, device=dev)
         v_t = torch.empty(bsz, heads, d_pad, s_pad, dtype=self._v_dtype, device=dev)
         # The row-sum GEMM's B operand, stored (ROWSUM_COLS, S_pad) so that it is K-major.
         rowsum_w = torch.empty(bsz if self._has_weight else 1, ROWSUM_COLS, s_pad, dtype=self._v_dtype, device=dev)
-        self._pack(k, v, w, ws, k_q, v_t, rowsum_w, *self._pack_args, stream=stream)
+        self.launch(k, v, key_weight, ws, k_q, v_t, rowsum_w, stream)
         return QuantizedKV(k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
                            rowsum_weights=rowsum_w, n_tiles=self.n_tiles, seq_len=self._seq_len, workspace=ws,
                            n_split=self.n_split, **self._layout)
+
+    def launch(self, k, v, key_weight, workspace, k_q, v_t, rowsum_weights, stream=None):
+        w = key_weight if self._has_weight else workspace  # the workspace: an unused pointer
+        self._stats(k, v, w, workspace, *self._stats_args, stream=stream)
+        self._pack(k, v, w, workspace, k_q, v_t, rowsum_weights, *self._pack_args, stream=stream)

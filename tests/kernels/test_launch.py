@@ -175,6 +175,16 @@ def test_the_launch_key_tells_apart_dtypes_and_alignment_not_values():
     assert launch.launch_key(x, None) != launch.launch_key(x, x)
 
 
+def test_carved_regions_are_consecutive_256_byte_aligned_and_inside_the_buffer():
+    sizes = (1000, 16, 256, 1)
+    buffer = torch.empty(launch.carved_bytes(sizes), dtype=torch.uint8)
+    addresses = launch.carve(buffer, sizes)
+    base = buffer.data_ptr()
+    assert [a - base for a in addresses] == [0, 1024, 1280, 1536]
+    assert launch.carved_bytes(sizes) == 1792 and addresses[-1] + sizes[-1] <= base + buffer.numel()
+    assert all(isinstance(a, int) and a.data_ptr() == a for a in addresses)
+
+
 def test_every_kernel_launch_site_goes_through_relaunch():
     # A launch written as kernel[grid](...) would pay Triton's dispatcher on every call.
     import pathlib

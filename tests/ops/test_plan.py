@@ -164,7 +164,8 @@ def _pretend_hopper(monkeypatch, gluon):
     monkeypatch.setattr(planning, "gluon_module", lambda name: gluon)
     monkeypatch.setattr(ops, "target_of", lambda device: HOPPER)
     monkeypatch.setattr(fwd, "prepare_fsattn_fwd",
-                        lambda q, kv, *a, **kw: SimpleNamespace(run=lambda *a: triton_calls.append(kv)))
+                        lambda q, kv, *a, **kw: SimpleNamespace(run=lambda *a: triton_calls.append(kv),
+                                                                    q_buffer_bytes=()))
     return triton_calls
 
 
@@ -173,7 +174,8 @@ def _gluon_ws(launch):
     `launch(q, kv, out, lse, sm_scale=..., num_stages=...)`."""
     def prepare(q, kv, out, *, num_stages, **kwargs):
         return SimpleNamespace(run=lambda q, kv, out, lse, sm_scale: launch(q, kv, out, lse, sm_scale=sm_scale,
-                                                                            num_stages=num_stages))
+                                                                            num_stages=num_stages),
+                               q_buffer_bytes=())
     return SimpleNamespace(prepare_fsattn_fwd_gluon_ws=prepare)
 
 

@@ -135,3 +135,26 @@ def test_gpu_a_prepared_call_launches_on_the_current_stream():
         got = fsattn(q2, k2, v2)
     side.synchronize()
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("k_per_token, v_dtype, masked", [(True, torch.float8_e4m3fn, False),
+                                                          (False, torch.bfloat16, True)])
+def test_the_one_allocation_layout_is_the_layout_of_the_tensors(k_per_token, v_dtype, masked):
+    # On a GPU a prepared call carves every pre-pass buffer from one allocation and passes
+    # addresses: each region must be as large as the tensor it stands for, and the statistics'
+    # offsets those of the workspace's views.
+    from fsattn_diffusers.kernels.quantize import QPrepass, kv_prepass
+
+    q, k, v, _, _ = _operands(1, shape=(2, 40, 2, 32))
+    weight = (torch.rand(2, 40) > 0.3).float() if masked else None
+    prepass = kv_prepass(k, v, weight, block_n=16, d_pad=32, k_per_token=k_per_token, smooth_v=True,
+                         v_dtype=v_dtype, pv_key_order="natural")
+    kv = prepass.run(k, v, weight)
+    tensors = (kv.workspace, kv.k_q, kv.v_t, kv.rowsum_weights)
+    assert prepass.buffer_bytes == tuple(t.numel() * t.element_size() for t in tensors)
+    views = (kv.k_mean, kv.v_mean, kv.v_scale, kv.k_scale)
+    assert prepass.stat_offsets == tuple(t.data_ptr() - kv.workspace.data_ptr() for t in views)
+    q_prepass = QPrepass(tuple(q.shape), q.stride(), 2, 32, kv.n_split, 16, 32)
+    qq = q_prepass.run(q, kv, 0.2)
+    assert q_prepass.buffer_bytes == tuple(t.numel() * t.element_size() for t in (qq.q_q, qq.q_scale,
+                                                                                     qq.q_dot_k_mean))
