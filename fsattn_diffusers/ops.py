@@ -119,8 +119,9 @@ def _call_key(query, key, value, key_weight, key_bias, layout, config_json, devi
 
 
 def _on_gpu(query, key, value, key_weight, key_bias, scale, layout, config_json, device):
-    """The op on `device`, the current CUDA device (or on CPU tensors, device -1: the same path
-    in Triton's interpreter, for tests)."""
+    """The op on `device`, the current CUDA device (or on CPU tensors, device -1, for tests: the
+    same preparation and cache, run in Triton's interpreter with buffers of their own rather
+    than carved from one allocation)."""
     call_key = _call_key(query, key, value, key_weight, key_bias, layout, config_json, device)
     prepared = _prepared_calls.get(call_key)
     if prepared is not None:
@@ -164,15 +165,17 @@ class PreparedCall:
     def run(self, query, key, value, key_weight, key_bias, scale, stream=None):
         """Launch on `stream` (a raw handle: :func:`~fsattn_diffusers.kernels.launch.current_stream`),
         with the pre-passes' buffers carved from one allocation and passed by address; without a
-        stream (CPU tensors: Triton's interpreter) in buffers of their own, each launch on the
-        current stream."""
+        stream (CPU tensors: Triton's interpreter), or before every launch goes straight to its
+        compiled kernel, in buffers of their own, each launch on the current stream."""
         layout = self.layout
         q, k, v = (query, key, value) if layout == "NHD" else (t.transpose(1, 2) for t in (query, key, value))
         out_in_layout = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=query.device)
         out = out_in_layout if layout == "NHD" else out_in_layout.transpose(1, 2)
         bias = _log2_bias(key_bias, self.kv_prepass.s_pad)
-        if stream is None:
+        if stream is None or not (self.kv_prepass.direct and self.forward.direct):
+            # Addresses only where every launch goes straight to its compiled kernel: Triton's
+            # own path (the interpreter, a launch it did not remember) needs tensors.
             kv = self.kv_prepass.run(k, v, key_weight)
             if self.with_counter:
                 self.forward.run(q, kv, out, lse, stats.fallback_counter(q.device), scale, bias)
@@ -229,17 +232,17 @@ def _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, 
         try:
             module = planning.gluon_module(name)
             if plan.kernel == "gluon_ws":
-                forward = module.prepare_fsattn_fwd_gluon_ws(q, kv, out, num_stages=plan.num_stages)
+                forward = module.prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, num_stages=plan.num_stages)
             else:
-                forward = module.prepare_fsattn_fwd_gluon(q, kv, out, block_m=plan.block_m, num_warps=plan.num_warps,
-                                                          num_stages=plan.num_stages)
+                forward = module.prepare_fsattn_fwd_gluon(q, kv, out, lse, block_m=plan.block_m,
+                                                          num_warps=plan.num_warps, num_stages=plan.num_stages)
             forward.run(q, kv, out, lse, scale)
             return out_in_layout, lse, PreparedCall(prepass, forward, False, layout, tuple(lse.shape), q_tiles)
         except Exception as err:  # noqa: BLE001 - narrowed to compile failures just below
             if not planning.is_compile_failure(err):
                 raise
-            # Compilation happens before the launch: the K/V buffers are only read, and the retry
-            # below quantises again for its own plan and returns its own output.
+            # Compilation happens before the kernel's launch: the retry below quantises K, V and Q
+            # again for its own plan, into buffers of its own, and returns its own output.
             planning.disable_gluon(name, err)
             _prepared_calls.clear()  # the kernel stays off for every call, as for every plan
         plan = plan_for(cfg, target_of(q.device), q.shape[-1], key_bias is not None, q.dtype, k.shape[1])
@@ -247,11 +250,12 @@ def _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, 
     from .kernels import fsattn_fwd as fwd
 
     bias = _log2_bias(key_bias, prepass.s_pad)
-    forward = fwd.prepare_fsattn_fwd(q, kv, out, bias, frozen=plan.max_mode_for(k.shape[1]), exp_mode=plan.exp_mode,
-                                     pv_fp32=plan.pv_fp32, rowsum_mma=plan.rowsum_mma,
+    counter = stats.fallback_counter(q.device)
+    forward = fwd.prepare_fsattn_fwd(q, kv, out, lse, counter, bias, frozen=plan.max_mode_for(k.shape[1]),
+                                     exp_mode=plan.exp_mode, pv_fp32=plan.pv_fp32, rowsum_mma=plan.rowsum_mma,
                                      max_threshold=plan.max_threshold, block_m=plan.block_m,
                                      num_warps=plan.num_warps, num_stages=plan.num_stages)
-    forward.run(q, kv, out, lse, stats.fallback_counter(q.device), scale, bias)
+    forward.run(q, kv, out, lse, counter, scale, bias)
     return out_in_layout, lse, PreparedCall(prepass, forward, True, layout, tuple(lse.shape), q_tiles)
 
 

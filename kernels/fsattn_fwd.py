@@ -327,17 +327,18 @@ def fsattn_fwd(q, kv, out, lse, fallback_counter, *, sm_scale, bias=None, frozen
         Additive key bias in log2 units (-inf for masked keys and padding).
     frozen : FROZEN_OFF, FROZEN_RECOMPUTE or FROZEN_RESCALE
     """
-    prepare_fsattn_fwd(q, kv, out, bias, frozen=frozen, exp_mode=exp_mode, pv_fp32=pv_fp32, rowsum_mma=rowsum_mma,
-                       max_threshold=max_threshold, block_m=block_m, num_warps=num_warps,
+    prepare_fsattn_fwd(q, kv, out, lse, fallback_counter, bias, frozen=frozen, exp_mode=exp_mode, pv_fp32=pv_fp32,
+                       rowsum_mma=rowsum_mma, max_threshold=max_threshold, block_m=block_m, num_warps=num_warps,
                        num_stages=num_stages).run(q, kv, out, lse, fallback_counter, sm_scale, bias)
     return out, lse
 
 
-def prepare_fsattn_fwd(q, kv, out, bias=None, *, frozen=FROZEN_RESCALE, exp_mode=EXP_MODE_SFU, pv_fp32=True,
-                       rowsum_mma=True, max_threshold=3.0, block_m=128, num_warps=4, num_stages=3) -> "TritonForward":
+def prepare_fsattn_fwd(q, kv, out, lse, fallback_counter, bias=None, *, frozen=FROZEN_RESCALE, exp_mode=EXP_MODE_SFU,
+                       pv_fp32=True, rowsum_mma=True, max_threshold=3.0, block_m=128, num_warps=4,
+                       num_stages=3) -> "TritonForward":
     """The checked, cached :class:`TritonForward` of :func:`fsattn_fwd`'s arguments: its
     ``run(q, kv, out, lse, fallback_counter, sm_scale, bias)`` launches on any tensors of the same
-    shapes, strides, dtypes, alignment and device."""
+    shapes, strides, dtypes, alignment and device (`kv` from :func:`~.quantize.quantize_kv`)."""
     if exp_mode != EXP_MODE_SFU and kv.v_t.dtype != torch.float8_e4m3fn:
         raise ValueError("the bit-level exponential writes FP8 bits: it needs an FP8 V")
     if kv.pv_key_order != "natural":
@@ -348,7 +349,8 @@ def prepare_fsattn_fwd(q, kv, out, bias=None, *, frozen=FROZEN_RESCALE, exp_mode
     bias_stride = None if bias is None else (bias.stride(0) if bias.shape[0] > 1 else 0)
     return _triton_forward(tuple(q.shape), q.stride(), tuple(kv.k_q.shape), kv.block_n, kv.n_tiles, kv.n_split,
                            kv.k_per_token, tuple(kv.rowsum_weights.shape), kv.rowsum_weights.stride(0), out.stride(),
-                           bias_stride, options, launch_key(q, out, bias, kv.v_t, kv.rowsum_weights))
+                           bias_stride, options,
+                           launch_key(q, out, lse, fallback_counter, bias, kv.v_t, kv.rowsum_weights))
 
 
 @functools.lru_cache(maxsize=256)
@@ -380,6 +382,11 @@ class TritonForward:
             PV_FP32=pv_fp32, ROWSUM_MMA=rowsum_mma, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad,
             ROWSUM_COLS=rowsum_shape[1], SOFT_ROUND=IN_INTERPRETER, num_warps=num_warps, num_stages=num_stages,
             enable_fp_fusion=FP_FUSION)
+
+    @property
+    def direct(self) -> bool:
+        """Whether both launches go straight to their compiled kernels."""
+        return self._q.direct and self._launch.direct
 
     def run(self, q, kv, out, lse, fallback_counter, sm_scale, bias=None, stream=None):
         buffers = PrepassBuffers.of(kv, self._q.run(q, kv, sm_scale, stream))

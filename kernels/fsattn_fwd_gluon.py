@@ -142,21 +142,21 @@ def fsattn_fwd_gluon(q, kv, out, lse, *, sm_scale, block_m=64, num_warps=4, num_
     The plan (fsattn_diffusers/plan.py) sends it only what it covers; anything else raises here
     rather than hang the GPU.
     """
-    prepare_fsattn_fwd_gluon(q, kv, out, block_m=block_m, num_warps=num_warps,
+    prepare_fsattn_fwd_gluon(q, kv, out, lse, block_m=block_m, num_warps=num_warps,
                              num_stages=num_stages).run(q, kv, out, lse, sm_scale)
     return out, lse
 
 
-def prepare_fsattn_fwd_gluon(q, kv, out, *, block_m=64, num_warps=4, num_stages=3) -> "GluonForward":
+def prepare_fsattn_fwd_gluon(q, kv, out, lse, *, block_m=64, num_warps=4, num_stages=3) -> "GluonForward":
     """The checked, cached :class:`GluonForward` of :func:`fsattn_fwd_gluon`'s arguments: its
     ``run(q, kv, out, lse, sm_scale)`` launches on any tensors of the same shapes, strides, dtypes,
-    alignment and device."""
+    alignment and device (`kv` from :func:`~.quantize.quantize_kv`)."""
     if not 2 <= num_stages <= 4 or block_m != 64 or num_warps != 4 or kv.block_n != 128:
         raise ValueError(f"the Gluon kernel takes 64 x 128 tiles, 4 warps and 2-4 stages; got block_m={block_m}, "
                          f"block_n={kv.block_n}, num_warps={num_warps}, num_stages={num_stages}")
     if kv.pv_key_order != "natural":
         raise ValueError(f"the Gluon kernel reads V in the natural key order, got {kv.pv_key_order!r}")
-    operands = gluon_operands(q, kv, out, block_m=block_m, q_tile_rows=block_m)
+    operands = gluon_operands(q, kv, out, lse, block_m=block_m, q_tile_rows=block_m)
     return gluon_forward(operands, kv.block_n, kv.k_q.shape[3], num_stages)
 
 
@@ -176,6 +176,11 @@ class GluonForward:
         self.q_buffer_bytes = operands.q_buffer_bytes
         self._launch = BoundLaunch(_fsattn_fwd_gluon_kernel, operands.grid, BLOCK_M=64, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, num_warps=4, enable_fp_fusion=FP_FUSION)
+
+    @property
+    def direct(self) -> bool:
+        """Whether both launches go straight to their compiled kernels."""
+        return self._operands.direct and self._launch.direct
 
     def run(self, q, kv, out, lse, sm_scale, stream=None):
         self._launch(*self._operands.args(self._operands.q_buffers(q, kv, sm_scale, stream), out, lse),

@@ -499,16 +499,16 @@ def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES
     The plan (fsattn_diffusers/plan.py) sends it only what it covers; anything else raises here
     rather than hang the GPU.
     """
-    prepare_fsattn_fwd_gluon_ws(q, kv, out, num_stages=num_stages, speculative=speculative).run(q, kv, out, lse,
-                                                                                              sm_scale)
+    prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, num_stages=num_stages, speculative=speculative).run(
+        q, kv, out, lse, sm_scale)
     return out, lse
 
 
-def prepare_fsattn_fwd_gluon_ws(q, kv, out, *, num_stages=GLUON_WS_STAGES,
+def prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, *, num_stages=GLUON_WS_STAGES,
                                 speculative=SPECULATIVE_MAX) -> "GluonWSForward":
     """The checked, cached :class:`GluonWSForward` of :func:`fsattn_fwd_gluon_ws`'s arguments:
     its ``run(q, kv, out, lse, sm_scale)`` launches on any tensors of the same shapes, strides,
-    dtypes, alignment and device."""
+    dtypes, alignment and device (`kv` from :func:`~.quantize.quantize_kv`)."""
     if kv.block_n not in MAX_STAGES or not 2 <= num_stages <= MAX_STAGES[kv.block_n]:
         raise ValueError("the warp-specialised Gluon kernel takes 64-key tiles with 2-8 stages or 128-key tiles "
                          f"with 2-4 stages; got block_n={kv.block_n}, num_stages={num_stages}")
@@ -524,7 +524,7 @@ def prepare_fsattn_fwd_gluon_ws(q, kv, out, *, num_stages=GLUON_WS_STAGES,
                          f"16-byte aligned; got {kv.k_scale.dtype}, shape {tuple(kv.k_scale.shape)}, strides "
                          f"{kv.k_scale.stride()}, address {kv.k_scale.data_ptr():#x}")
     consumers = gluon_ws_consumers(kv.block_n, d_pad)
-    operands = gluon_operands(q, kv, out, block_m=consumers * CONSUMER_ROWS, q_tile_rows=CONSUMER_ROWS)
+    operands = gluon_operands(q, kv, out, lse, block_m=consumers * CONSUMER_ROWS, q_tile_rows=CONSUMER_ROWS)
     return gluon_ws_forward(operands, kv.block_n, d_pad, num_stages, bool(speculative))
 
 
@@ -550,6 +550,11 @@ class GluonWSForward:
                                    STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
                                    PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
                                    KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
+
+    @property
+    def direct(self) -> bool:
+        """Whether both launches go straight to their compiled kernels."""
+        return self._operands.direct and self._launch.direct
 
     def run(self, q, kv, out, lse, sm_scale, stream=None):
         self._launch_on(self._operands.q_buffers(q, kv, sm_scale, stream), out, lse, stream)

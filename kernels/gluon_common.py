@@ -116,13 +116,13 @@ def _descriptor(t, block_shape: tuple, dtype, shape=None, strides=None) -> Tenso
     return desc
 
 
-def gluon_operands(q, kv, out, *, block_m, q_tile_rows) -> "GluonOperands":
+def gluon_operands(q, kv, out, lse, *, block_m, q_tile_rows) -> "GluonOperands":
     """The :class:`GluonOperands` of these tensors (cached per shape, strides, alignment and device)."""
     if kv.rowsum_weights.shape[1] != ROWSUM_COLS:
         raise ValueError(f"the row-sum weights must have {ROWSUM_COLS} rows, got {kv.rowsum_weights.shape[1]}")
     return _gluon_operands(tuple(q.shape), q.stride(), tuple(kv.k_q.shape), kv.block_n, kv.n_tiles, kv.n_split,
                            kv.rowsum_weights.shape[0], out.stride(), block_m, q_tile_rows,
-                           launch_key(q, out, kv.v_t, kv.rowsum_weights))
+                           launch_key(q, out, lse, kv.v_t, kv.rowsum_weights))
 
 
 @functools.lru_cache(maxsize=256)
@@ -159,6 +159,11 @@ class GluonOperands:
         self.q_buffer_bytes = self._q.buffer_bytes
         self.k_scale_numel = bsz * n_kv_heads * s_pad  # one K scale per key where they go by TMA
 
+    @property
+    def direct(self) -> bool:
+        """Whether Q's quantisation goes straight to its compiled kernel."""
+        return self._q.direct
+
     def q_buffers(self, q, kv, sm_scale, stream=None) -> PrepassBuffers:
         """Quantise Q into fresh tensors; returns them with `kv`'s."""
         return PrepassBuffers.of(kv, self._q.run(q, kv, sm_scale, stream))
@@ -182,5 +187,5 @@ def launch_operands(q, kv, out, lse, *, sm_scale, block_m, q_tile_rows):
 
     `block_m` query rows per program (Q is padded to it); `q_tile_rows` rows per Q TMA tile.
     """
-    operands = gluon_operands(q, kv, out, block_m=block_m, q_tile_rows=q_tile_rows)
+    operands = gluon_operands(q, kv, out, lse, block_m=block_m, q_tile_rows=q_tile_rows)
     return operands.grid, operands.args(operands.q_buffers(q, kv, sm_scale), out, lse)

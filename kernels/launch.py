@@ -161,7 +161,8 @@ class Relaunch:
 class BoundLaunch:
     """One kernel's launch with its grid and keyword arguments fixed, for a caller that launches it
     again and again with arguments that Triton specialises alike (the same dtypes and integer
-    values, tensors aligned alike): a prepared call of one shape (:mod:`.prepared`).
+    values, tensors aligned alike): the per-shape launch objects of :mod:`.quantize` and the
+    forward modules, which their caches key so.
 
     ``bound(*args)`` launches as ``Relaunch.of(fn)[grid](*args, **meta)``. The first launch takes
     that path (compiling there); later ones call the compiled kernel's runner directly, without
@@ -178,9 +179,17 @@ class BoundLaunch:
         self._meta = meta
         self._fast = None
 
+    @property
+    def direct(self) -> bool:
+        """Whether launches go straight to the compiled kernel (after a remembered first launch):
+        only then may arguments be :class:`Address` es instead of tensors."""
+        return self._fast is not None
+
     def __call__(self, *args, stream=None):
         """Launch on `stream` (a raw CUDA stream handle, ``current_stream(device)``; default: the
-        current stream of the current device, looked up at each launch)."""
+        current stream of the current device, looked up at each launch). The first launch, and
+        every launch that is not :attr:`direct`, is on the current stream whatever `stream` says:
+        callers pass the current one."""
         fast = self._fast
         if fast is not None:
             if stream is None:

@@ -358,6 +358,11 @@ class QPrepass:
                                    D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER,
                                    num_warps=q_warps(block_m, d_pad))
 
+    @property
+    def direct(self) -> bool:
+        """Whether the launch goes straight to the compiled kernel (:attr:`.launch.BoundLaunch.direct`)."""
+        return self._launch.direct
+
     def run(self, q, kv: QuantizedKV, sm_scale, stream=None) -> QuantizedQ:
         dev = q.device
         q_q = torch.empty(*self._shape, self._d_pad, dtype=torch.int8, device=dev)
@@ -714,6 +719,11 @@ class KVPrepass:
             V_ERR_ROWS=min(V_ERR_ROWS, sub_n), num_warps=PREPASS_WARPS,
             # Per-block K scales: the K loop holds a whole tile, which spills under the ceiling.
             maxnreg=prepass_max_registers(d_pad) if k_per_token else 255)
+
+    @property
+    def direct(self) -> bool:
+        """Whether both launches go straight to their compiled kernels (:attr:`.launch.BoundLaunch.direct`)."""
+        return self._stats.direct and self._pack.direct
 
     def run(self, k, v, key_weight, stream=None) -> QuantizedKV:
         bsz, heads, d_pad, s_pad, dev = self._bsz, self._heads, self._d_pad, self.s_pad, k.device

@@ -172,7 +172,7 @@ def _pretend_hopper(monkeypatch, gluon):
 def _gluon_ws(launch):
     """A stand-in for the warp-specialised Gluon module whose forward, once prepared, runs
     `launch(q, kv, out, lse, sm_scale=..., num_stages=...)`."""
-    def prepare(q, kv, out, *, num_stages, **kwargs):
+    def prepare(q, kv, out, lse, *, num_stages, **kwargs):
         return SimpleNamespace(run=lambda q, kv, out, lse, sm_scale: launch(q, kv, out, lse, sm_scale=sm_scale,
                                                                             num_stages=num_stages),
                                q_buffer_bytes=())
@@ -216,7 +216,7 @@ def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, hea
 
     rows = []
 
-    def record(q, kv, out, *, block_m, **kwargs):
+    def record(q, kv, out, lse, *, block_m, **kwargs):
         rows.append(block_m)
         raise Recorded
 

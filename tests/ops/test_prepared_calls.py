@@ -1,7 +1,9 @@
 """The op's prepared calls: a call of a kind seen before only allocates its buffers and launches.
 
-On the CPU the path the GPU takes (``ops._on_gpu``) runs on CPU tensors, with the real kernels in
-Triton's interpreter at its small tiles.
+On the CPU the GPU's path (``ops._on_gpu``) runs on CPU tensors, with the real kernels in
+Triton's interpreter at its small tiles and buffers of their own; the one-allocation layout the
+GPU uses is checked against the tensors' layout and, with stand-in launch objects, region by
+region. The GPU tests compare prepared calls with first calls byte for byte.
 """
 
 import pytest
@@ -80,10 +82,64 @@ def test_a_forward_is_prepared_per_kind_of_quantised_v():
     from fsattn_diffusers.kernels.quantize import quantize_kv
 
     q, k, v, _, _ = _operands(1)
-    out = torch.empty_like(q)
-    forwards = [prepare_fsattn_fwd(q, quantize_kv(k, v, block_n=16, d_pad=32, v_dtype=dtype), out, block_m=16)
-                for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float8_e4m3fn)]
+    out, lse, counter = torch.empty_like(q), torch.empty(1, 2, 40), torch.zeros(1, dtype=torch.int32)
+    forwards = [prepare_fsattn_fwd(q, quantize_kv(k, v, block_n=16, d_pad=32, v_dtype=dtype), out, lse, counter,
+                                   block_m=16) for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float8_e4m3fn)]
     assert forwards[0] is forwards[2] and forwards[0] is not forwards[1]
+
+
+def test_a_forward_is_prepared_per_alignment_of_every_tensor_it_is_handed():
+    # A caller's LSE buffer 4 bytes off 16-byte alignment must not reuse a build that assumed it.
+    from fsattn_diffusers.kernels.fsattn_fwd import prepare_fsattn_fwd
+    from fsattn_diffusers.kernels.quantize import quantize_kv
+
+    q, k, v, _, _ = _operands(1)
+    kv = quantize_kv(k, v, block_n=16, d_pad=32)
+    out, counter = torch.empty_like(q), torch.zeros(1, dtype=torch.int32)
+    lse = torch.empty(q.shape[0] * q.shape[2] * q.shape[1] + 4)
+    aligned, unaligned = (lse[i:i + lse.numel() - 4].view(q.shape[0], q.shape[2], q.shape[1]) for i in (0, 1))
+    prepared = [prepare_fsattn_fwd(q, kv, out, t, counter, block_m=16) for t in (aligned, unaligned, aligned)]
+    assert prepared[0] is prepared[2] and prepared[0] is not prepared[1]
+
+
+class _Recorder:
+    """A stand-in K/V pre-pass or forward: records what it is launched with."""
+
+    def __init__(self, direct, **fields):
+        self.direct, self.calls = direct, []
+        vars(self).update(fields)
+
+    def __getattr__(self, name):  # launch, run, run_into
+        return lambda *args: self.calls.append((name, args))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_prepared_call_hands_each_launch_its_region_of_one_allocation(direct):
+    # On a GPU (a stream given) and once every launch goes straight to its kernel, the buffers are
+    # carved from one allocation: each launch must get its own region, the statistics their
+    # offsets in the workspace. Before that (the interpreter, a launch Triton did not remember)
+    # they stay tensors, allocated by the launch objects.
+    from fsattn_diffusers.kernels.launch import carved_bytes
+
+    prepass = _Recorder(direct, buffer_bytes=(1000, 300, 600, 32), stat_offsets=(0, 8, 16, 200), s_pad=48)
+    forward = _Recorder(direct, q_buffer_bytes=(700, 40, 40))
+    call = ops.PreparedCall(prepass, forward, False, "NHD", (1, 2, 40), 4)
+    q, k, v, _, _ = _operands(1)
+    out, lse = call.run(q, k, v, None, None, 0.2, stream=7)
+    assert out.shape == q.shape and lse.shape == (1, 2, 40)
+    if not direct:
+        assert [c[0] for c in prepass.calls + forward.calls] == ["run", "run"]
+        return
+    ((_, (_, _, _, ws, k_q, v_t, rowsum, stream)),) = prepass.calls
+    ((_, (_, buffers, _, _, scale, forward_stream)),) = forward.calls
+    assert (stream, forward_stream, scale) == (7, 7, 0.2)
+    assert (buffers.workspace, buffers.k_q, buffers.v_t, buffers.rowsum_weights) == (ws, k_q, v_t, rowsum)
+    assert [buffers.k_mean - ws, buffers.v_mean - ws, buffers.v_scale - ws, buffers.k_scale - ws] == [0, 8, 16, 200]
+    regions = [ws, k_q, v_t, rowsum, buffers.q_q, buffers.q_scale, buffers.q_dot_k_mean]
+    sizes = (1000, 300, 600, 32, 700, 40, 40)
+    ends = [a + n for a, n in zip(regions, sizes)]
+    assert all(end <= start for end, start in zip(ends, regions[1:]))  # in order, none overlapping
+    assert ends[-1] - ws <= carved_bytes(sizes) and all(a % 256 == ws % 256 for a in regions)
 
 
 def test_each_kind_of_call_is_prepared_once():
