@@ -232,9 +232,14 @@ def carved_bytes(sizes) -> int:
 def current_stream(device: int):
     """The raw handle of the current CUDA stream of `device`, as Triton's launches look it up
     (one lookup for a call's launches instead of one each)."""
-    from triton.runtime import driver
+    return _stream_lookup()(device)
 
-    return driver.active.get_current_stream(device)
+
+@functools.lru_cache(maxsize=None)
+def _stream_lookup():
+    from triton.runtime import driver  # imported on first use: this module imports without Triton
+
+    return driver.active.get_current_stream
 
 
 def launch_key(*tensors, device=None) -> tuple:

@@ -646,25 +646,24 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
 
 
 def kv_prepass(k, v, key_weight, *, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
-               n_programs_target=None) -> "KVPrepass":
+               n_programs_target=None, split=None) -> "KVPrepass":
     """The :class:`KVPrepass` of these tensors (cached per shape, strides, alignment and device);
-    arguments as :func:`quantize_kv`, which checks them."""
+    arguments as :func:`quantize_kv`, which checks them. `split`: ``(n_split, tiles_per_program)``
+    instead of :func:`kv_split`'s (they must cover every tile; a program past the last owns none)."""
     bsz, seq_len, heads, _ = k.shape
-    if n_programs_target is None:
-        n_programs_target = prepass_programs_target(d_pad)
-    n_split, tiles_per_program = kv_split(cdiv(seq_len, block_n), bsz * heads, n_programs_target)
+    if split is None:
+        if n_programs_target is None:
+            n_programs_target = prepass_programs_target(d_pad)
+        split = kv_split(cdiv(seq_len, block_n), bsz * heads, n_programs_target)
     return _kv_prepass(tuple(k.shape), k.stride(), v.stride(), None if key_weight is None else key_weight.stride(),
-                       n_split, tiles_per_program, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
+                       *split, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
                        launch_key(k, v, key_weight))
 
 
-def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, *, block_n, d_pad, k_per_token, smooth_v,
-                       v_dtype, pv_key_order) -> QuantizedKV:
+def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, **layout) -> QuantizedKV:
     """quantize_kv's two launches with `n_split` programs per head of `tiles_per_program` tiles
-    each (which must cover every tile; a program past the last tile owns none)."""
-    return _kv_prepass(tuple(k.shape), k.stride(), v.stride(), None if key_weight is None else key_weight.stride(),
-                       n_split, tiles_per_program, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
-                       launch_key(k, v, key_weight)).run(k, v, key_weight)
+    each (`layout`: :func:`kv_prepass`'s keyword arguments)."""
+    return kv_prepass(k, v, key_weight, split=(n_split, tiles_per_program), **layout).run(k, v, key_weight)
 
 
 @functools.lru_cache(maxsize=256)
