@@ -438,13 +438,55 @@ def test_wan22_pipeline_gets_the_recipe_on_both_transformers():
     assert recipe_summary(pipe) == {"transformer": None, "transformer_2": None}
 
 
-@pytest.mark.parametrize("given", [None, {"options": {"coordinate_descent_tuning": True}}, EAGER])
-def test_compile_options_reach_torch_compile_as_given(monkeypatch, given):
+KEEP_ROUNDINGS = {"emulate_precision_casts": True}
+
+
+@pytest.mark.parametrize("given, expected", [
+    (None, {"options": KEEP_ROUNDINGS}),
+    ({"options": {"coordinate_descent_tuning": True}}, {"options": {**KEEP_ROUNDINGS, "coordinate_descent_tuning": True}}),
+    ({"options": {"emulate_precision_casts": False}}, {"options": {"emulate_precision_casts": False}}),
+    ({"mode": "max-autotune-no-cudagraphs"},
+     {"options": {**KEEP_ROUNDINGS, "max_autotune": True, "coordinate_descent_tuning": True}}),
+    (EAGER, EAGER),  # inductor's options go to inductor only
+])
+def test_compile_options_reach_torch_compile_under_the_recipes_inductor_options(monkeypatch, given, expected):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
     model, _ = BUILDERS["wan_t2v"]()
     apply_recipe(model, fsattn=False, fp8_linear=False, compile_options=given, dynamic=False)
-    assert seen == [dict(given or {}, fullgraph=True, dynamic=False)] * len(model.blocks)
+    assert seen == [dict(expected, fullgraph=True, dynamic=False)] * len(model.blocks)
+
+
+def test_compile_options_with_both_mode_and_options_are_refused_before_anything_changes():
+    model, _ = BUILDERS["wan_t2v"]()
+    with pytest.raises(ValueError, match="both mode and options"):
+        apply_recipe(model, fsattn=False, fp8_linear=False,
+                     compile_options={"mode": "max-autotune", "options": {"max_autotune": True}})
+    assert recipe_summary(model) == {"model": None}
+
+
+@pytest.mark.slow
+def test_inductor_keeps_eagers_bf16_roundings_under_the_recipe():
+    # Inductor (the real backend, on the CPU): without the recipe's options a fused chain of bf16
+    # ops stays in float32 and the compiled model drifts from eager (~17x further on this model).
+    from fsattn_diffusers import builtin_models
+
+    model = builtin_models.build_transformer("tiny", "cpu", torch.bfloat16, seed=0)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 16, 3, 32, 32, generator=g).bfloat16(),
+                  timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 64, model.config.text_dim, generator=g).bfloat16())
+    eager = run(model, inputs).double()
+
+    def drift(compile_options):
+        torch._dynamo.reset()
+        apply_recipe(model, fsattn=False, fuse_qkv=False, fp8_linear=False, compile_options=compile_options)
+        out = run(model, inputs).double()
+        remove_recipe(model)
+        return ((out - eager).norm() / eager.norm()).item()
+
+    kept, fused = drift(None), drift({"options": {"emulate_precision_casts": False}})
+    assert kept < fused / 4, (kept, fused)
 
 
 # ----------------------------------------------------------------------------- context parallelism
