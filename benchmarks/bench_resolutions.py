@@ -4,7 +4,10 @@ For each ``dynamic`` setting of :func:`fsattn_diffusers.apply_recipe` (None, Fal
 transformer forward after another at each of several video sizes, in the order given: the
 first call at each size (compiling, where it does), the median forward after it, and the graphs
 Dynamo made at that size; diffusers' eager default at each size in the same process gives the
-speed-ups. A user who changes the resolution or frame count meets exactly these first calls.
+speed-ups. The settings run one after another in one process, so only the first meets cold
+compile caches (inductor's and Triton's): later settings' first calls are what a second process
+with warm caches would see. With ``dynamic=False`` every size is a graph, and more than Dynamo's
+``recompile_limit`` (8) sizes stop the run (``fullgraph=True`` raises).
 
     python benchmarks/bench_resolutions.py --model wan2.1-t2v-1.3b --sizes 480x832x81 480x832x49 720x1280x21
 
@@ -116,7 +119,8 @@ def main(argv=None) -> dict:
 
     report = {"benchmark": "bench_resolutions", "environment": bench_e2e.environment(device),
               "command": "python3 benchmarks/bench_resolutions.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "model": args.model, "fp8": fp8, "compile_backend": args.compile_backend, "settings": []}
+              "model": args.model, "fp8": fp8, "compile_backend": args.compile_backend,
+              "note": "settings in order, one process: only the first meets cold compile caches", "settings": []}
     default = run_sizes(transformer, sizes, per_size, args.forwards, device)
     report["settings"].append({"dynamic": "default (eager, no recipe)", "sizes": default})
     for name in args.dynamic:

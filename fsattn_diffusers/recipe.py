@@ -62,8 +62,9 @@ Four parts, each switchable, applied in this order:
    to bf16 as eager does, instead of carrying float32 through the chain. Without it, compiling
    alone moved the output further from eager diffusers than fsattn or FP8 did (Wan2.1-1.3B, two
    steps with guidance 5, decoded, H200: lowest frame 34.9 dB for diffusers' attention compiled,
-   against 41.2 for fsattn eager and 37.2 for FP8 eager; the whole recipe 34.1). With it: 41.4
-   and 36.7, for 0.7 % of the recipe's forward. The caller's ``options`` go over it. torchao's
+   against 41-42 for fsattn eager and 37.2 for FP8 eager; the whole recipe 34.1). With it: 41.4
+   and 36.7, for about 1 % of the recipe's forward. The caller's ``options`` go over it
+   (``compile_options={"options": {"emulate_precision_casts": False}}`` turns it off). torchao's
    ``set_inductor_config`` is off (it would switch on coordinate-descent tuning for
    every later compile in the process). That tuning, asked for per compile
    (``compile_options={"options": {"coordinate_descent_tuning": True}}``), shortened a
@@ -191,8 +192,13 @@ def _check_options(fsattn, fsattn_options, fuse_qkv, fp8_linear, fp8_conditionin
                          "dynamic is its own argument")
     if compile_options and not compile:
         raise ValueError(f"apply_recipe: compile_options={compile_options!r} with compile=False")
-    if compile_options and {"mode", "options"} <= set(compile_options):
+    if compile_options and compile_options.get("mode") is not None and compile_options.get("options") is not None:
         raise ValueError("apply_recipe: compile_options sets both mode and options; torch.compile takes one of them")
+    if compile:
+        try:  # an unknown mode, before anything changes
+            compile_arguments(compile_options or {}, dynamic)
+        except RuntimeError as exc:
+            raise ValueError(f"apply_recipe: compile_options: {exc}") from None
     if keep_original_weights and not fp8_linear:
         raise ValueError("apply_recipe: keep_original_weights=True keeps the weights that fp8_linear replaces; "
                          "fp8_linear is False")
@@ -462,12 +468,21 @@ def _compile_regions(model) -> tuple[list[tuple[str, torch.nn.Module]], list[str
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
+def _backend_name(backend):
+    if backend is None:  # torch.compile's own default, which torch >= 2.11 lets a program change
+        get_default = getattr(torch.compiler, "get_default_backend", None)
+        backend = get_default() if get_default is not None else "inductor"
+    return backend if isinstance(backend, str) else None
+
+
 def compile_arguments(compile_options: dict, dynamic) -> dict:
     """torch.compile's keyword arguments for the recipe's regions: `compile_options`, with
     :data:`INDUCTOR_OPTIONS` under the caller's own ``options`` when the backend is inductor (a
-    ``mode`` becomes the options it stands for, as torch.compile expands it)."""
+    ``mode`` becomes the options it stands for, as torch.compile expands it). Other backends,
+    a callable one included, get `compile_options` as given. A new dict at every call:
+    torch.compile takes some entries out of the options it is given."""
     arguments = dict(compile_options)
-    if (arguments.get("backend") or "inductor") != "inductor":
+    if _backend_name(arguments.get("backend")) != "inductor":
         return arguments
     from torch._inductor import config as inductor_config, list_mode_options
 
@@ -475,15 +490,16 @@ def compile_arguments(compile_options: dict, dynamic) -> dict:
     options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(inductor_config, k)}  # older torch: fewer
     if mode not in (None, "default"):
         options.update(list_mode_options(mode, dynamic))
-    options.update(arguments.pop("options", None) or {})
+    # torch.compile reads "a-b" as "a_b": the caller's spelling must replace ours, not sit beside it.
+    options.update({k.replace("-", "_"): v for k, v in (arguments.pop("options", None) or {}).items()})
     return {**arguments, "options": options}
 
 
 def _compile(model, state: _RecipeState, dynamic, compile_options: dict) -> None:
     regions, hooked = _compile_regions(model)
-    arguments = compile_arguments(compile_options, dynamic)
     for _, module in regions:
-        module.compile(**arguments, fullgraph=True, dynamic=dynamic)  # what compile_repeated_blocks does
+        # compile_repeated_blocks's call, with the recipe's inductor options
+        module.compile(**compile_arguments(compile_options, dynamic), fullgraph=True, dynamic=dynamic)
     state.compiled = [module for _, module in regions]
     if hooked:
         logger.info("apply_recipe: %s: %s left uncompiled (diffusers hooks on them, e.g. context parallelism's)",
@@ -566,8 +582,13 @@ def apply_recipe(pipe_or_model, *, fsattn: bool = True, fsattn_options: dict | N
         (two graphs per block class). False: one graph per shape, up to torch._dynamo's
         ``recompile_limit`` (8). True: dynamic from the start.
     compile_options : dict or None
-        More ``torch.compile`` arguments (``backend``, ``mode``, ``options``; module docstring
-        on coordinate-descent tuning).
+        More ``torch.compile`` arguments (``backend``, ``mode``, ``options``; not ``mode`` and
+        ``options`` together, as torch.compile refuses). With inductor, the recipe adds
+        :data:`INDUCTOR_OPTIONS` (``emulate_precision_casts=True``: the compiled blocks round as
+        eager diffusers does) under the caller's ``options``, and a ``mode`` is passed as the
+        options it stands for; ``{"options": {"emulate_precision_casts": False}}`` turns it off
+        (the explicit option also overrides inductor's global config and its environment
+        variable). Module docstring, item 4, on this and on coordinate-descent tuning.
 
     Returns
     -------
@@ -656,4 +677,5 @@ def recipe_summary(pipe_or_model) -> dict:
     return out
 
 
-__all__ = ["apply_recipe", "fp8_linear_names", "fp8_unavailable_reason", "recipe_summary", "remove_recipe"]
+__all__ = ["INDUCTOR_OPTIONS", "apply_recipe", "compile_arguments", "fp8_linear_names", "fp8_unavailable_reason",
+           "recipe_summary", "remove_recipe"]

@@ -42,9 +42,8 @@ def test_each_dynamic_setting_compiles_as_documented_when_the_size_changes(bench
     assert [r["new_graphs"] for r in settings["none"]["sizes"]] == [1, 1, 0]
     assert [r["new_graphs"] for r in settings["false"]["sizes"]] == [1, 1, 1]  # one graph per size
     assert all(r["new_graphs"] == 0 for r in settings["default (eager, no recipe)"]["sizes"])
-    for name in ("none", "false"):
-        assert all(r["output_cosine"] > 0.999 for r in settings[name]["sizes"])
-        assert all(r["speedup"] > 0 and r["forward_seconds_median"] > 0 for r in settings[name]["sizes"])
+    for name in ("none", "false"):  # fsattn's emulation against the model's own attention
+        assert all(0.999 < r["output_cosine"] < 1.0 for r in settings[name]["sizes"])
 
 
 @pytest.mark.parametrize("text", ["480x832", "480x830x81", "480x832x80", "ax832x81", "0x832x81"])

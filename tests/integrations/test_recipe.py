@@ -441,27 +441,43 @@ def test_wan22_pipeline_gets_the_recipe_on_both_transformers():
 KEEP_ROUNDINGS = {"emulate_precision_casts": True}
 
 
+def _eager_backend(gm, example_inputs):
+    return gm
+
+
 @pytest.mark.parametrize("given, expected", [
     (None, {"options": KEEP_ROUNDINGS}),
+    ({"backend": None}, {"backend": None, "options": KEEP_ROUNDINGS}),  # torch's default backend: inductor
     ({"options": {"coordinate_descent_tuning": True}}, {"options": {**KEEP_ROUNDINGS, "coordinate_descent_tuning": True}}),
     ({"options": {"emulate_precision_casts": False}}, {"options": {"emulate_precision_casts": False}}),
-    ({"mode": "max-autotune-no-cudagraphs"},
-     {"options": {**KEEP_ROUNDINGS, "max_autotune": True, "coordinate_descent_tuning": True}}),
+    ({"options": {"emulate-precision-casts": False}}, {"options": {"emulate_precision_casts": False}}),
+    ({"mode": None, "options": {"max_autotune": True}}, {"options": {**KEEP_ROUNDINGS, "max_autotune": True}}),
+    ({"mode": "max-autotune-no-cudagraphs"}, "mode"),
     (EAGER, EAGER),  # inductor's options go to inductor only
+    ({"backend": _eager_backend}, {"backend": _eager_backend}),
 ])
 def test_compile_options_reach_torch_compile_under_the_recipes_inductor_options(monkeypatch, given, expected):
+    if expected == "mode":  # what torch.compile makes of the mode, under the recipe's options
+        from torch._inductor import list_mode_options
+
+        expected = {"options": {**KEEP_ROUNDINGS, **list_mode_options(given["mode"], False)}}
+        assert expected["options"]["max_autotune"] is True
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
     model, _ = BUILDERS["wan_t2v"]()
     apply_recipe(model, fsattn=False, fp8_linear=False, compile_options=given, dynamic=False)
     assert seen == [dict(expected, fullgraph=True, dynamic=False)] * len(model.blocks)
+    assert all(a["options"] is not b["options"] for a, b in zip(seen, seen[1:]) if "options" in a)
 
 
-def test_compile_options_with_both_mode_and_options_are_refused_before_anything_changes():
+@pytest.mark.parametrize("options, match", [
+    ({"mode": "max-autotune", "options": {"max_autotune": True}}, "both mode and options"),
+    ({"mode": "max-autotun"}, "compile_options: .*mode=max-autotun"),
+])
+def test_compile_options_torch_compile_would_refuse_are_refused_before_anything_changes(options, match):
     model, _ = BUILDERS["wan_t2v"]()
-    with pytest.raises(ValueError, match="both mode and options"):
-        apply_recipe(model, fsattn=False, fp8_linear=False,
-                     compile_options={"mode": "max-autotune", "options": {"max_autotune": True}})
+    with pytest.raises(ValueError, match=match):
+        apply_recipe(model, fsattn=False, fp8_linear=False, compile_options=options)
     assert recipe_summary(model) == {"model": None}
 
 
