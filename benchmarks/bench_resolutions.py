@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_e2e  # noqa: E402  (environment(), json_safe(), the Timer)
+import bench_e2e  # noqa: E402  (environment(), json_safe(), the Timer, _sync, TEXT_TOKENS)
 
 import fsattn_diffusers  # noqa: E402
 from fsattn_diffusers import builtin_models  # noqa: E402
 from fsattn_diffusers.recipe import fp8_unavailable_reason  # noqa: E402
 
 DYNAMIC = {"none": None, "false": False, "true": True}
-TEXT_TOKENS = 512
 
 
 def parse_size(text: str) -> tuple[int, int, int]:
@@ -71,14 +70,9 @@ def inputs(transformer, size, device, dtype, generator) -> dict:
     height, width, frames = size
     cfg = transformer.config
     latents = torch.randn(1, cfg.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8, generator=generator)
-    text = torch.randn(1, TEXT_TOKENS, cfg.text_dim, generator=generator)
+    text = torch.randn(1, bench_e2e.TEXT_TOKENS, cfg.text_dim, generator=generator)
     return dict(hidden_states=latents.to(device, dtype), encoder_hidden_states=text.to(device, dtype),
                 timestep=torch.tensor([500], device=device), return_dict=False)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_sizes(transformer, sizes, inputs_per_size, forwards, device) -> list[dict]:
@@ -87,11 +81,11 @@ def run_sizes(transformer, sizes, inputs_per_size, forwards, device) -> list[dic
     rows = []
     for size, kwargs in zip(sizes, inputs_per_size):
         graphs = counters["stats"]["unique_graphs"]
-        _sync(device)
+        bench_e2e._sync(device)
         start = time.perf_counter()
         with torch.no_grad():
             out = transformer(**kwargs)[0]
-        _sync(device)
+        bench_e2e._sync(device)
         first = time.perf_counter() - start
         times = []
         for _ in range(forwards):
