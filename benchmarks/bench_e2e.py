@@ -4,6 +4,7 @@
     python benchmarks/bench_e2e.py --model wan2.1-t2v-1.3b --steps 3 --out e2e_13b.json     # 480x832, 81 frames
     python benchmarks/bench_e2e.py --model wan2.1-t2v-14b --steps 2 --out e2e_14b.json      # 720x1280, 81 frames
     python benchmarks/bench_e2e.py --model hunyuanvideo --steps 2 --out e2e_hunyuan.json    # 720x1280, 129 frames
+    python benchmarks/bench_e2e.py --model cogvideox-5b --steps 2 --out e2e_cogvideox.json   # 480x720, 49 frames
     python benchmarks/bench_e2e.py --model wan2.1-t2v-14b --rows recipe --first-call-only --cache-dir /tmp/cc
     python benchmarks/bench_e2e.py --model tiny --height 64 --width 96 --frames 9          # CPU, seconds
 
@@ -36,7 +37,8 @@ compilation, autotuning and Triton's JIT; ``torch._dynamo.reset()`` before it, s
 compiles from scratch, unless ``--cache-dir`` holds a previous process's artefacts), then a short
 denoising loop of ``--steps`` steps as the family's pipeline runs it (Wan: UniPC with its flow
 shift, classifier-free guidance as two forwards per step; HunyuanVideo: flow-matching Euler,
-embedded guidance, one forward per step), each forward and step timed with CUDA events. Peak
+embedded guidance, one forward per step; CogVideoX: DDIM, classifier-free guidance as one forward of
+a batch of two), each forward and step timed with CUDA events. Peak
 memory is ``max_memory_allocated`` over the loop (weights included). Quality against the
 reference row (``default``, run first whenever it is asked for; else the first row): cosine of
 the first call's output, cosine and relative L1 of the final latents, and where a VAE is built
@@ -74,7 +76,8 @@ import torch
 import fsattn_diffusers
 from fsattn_diffusers import builtin_models, metrics
 
-MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "hunyuanvideo", "tiny", "tiny-hunyuanvideo")
+MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "hunyuanvideo", "cogvideox-5b", "tiny", "tiny-hunyuanvideo",
+          "tiny-cogvideox")
 DEFAULT_ROWS = ("default", "default+compile", "default+fuse+fp8+ffn+compile", "fsattn", "fsattn+compile", "recipe")
 ALIASES = {"recipe": "fsattn+fuse+fp8+ffn+compile"}
 # fp8c: fp8 with the conditioning's path (apply_recipe's fp8_conditioning); ffn: apply_recipe's fuse_ffn
@@ -242,7 +245,7 @@ def resolve_settings(parser, args) -> tuple[Settings, list[Row], torch.device, t
     height, width, frames = args.height or spec.height, args.width or spec.width, args.frames or spec.num_frames
     cfg = spec.transformer_config
     patch_hw = cfg["patch_size"][1] if spec.family == "wan" else cfg["patch_size"]
-    patch_t = cfg["patch_size"][0] if spec.family == "wan" else cfg["patch_size_t"]
+    patch_t = cfg["patch_size"][0] if spec.family == "wan" else cfg.get("patch_size_t") or 1
     multiple = 8 * patch_hw  # the VAE's 8x spatial compression, then the patch
     for name, value in (("--height", height), ("--width", width)):
         if value % multiple:
@@ -298,6 +301,8 @@ def resolve_settings(parser, args) -> tuple[Settings, list[Row], torch.device, t
         parser.error(f"--budget-s={args.budget_s}: expected a positive number of seconds")
     latent_frames = (frames - 1) // 4 + 1
     latent_shape = (1, cfg["in_channels"], latent_frames, height // 8, width // 8)
+    if spec.family == "cogvideox":  # CogVideoX's latents put the frames before the channels
+        latent_shape = (1, latent_frames, cfg["in_channels"], height // 8, width // 8)
     tokens = latent_frames // patch_t * (height // multiple) * (width // multiple)
     decode = args.decode if args.decode is not None else args.model in ("tiny", "wan2.1-t2v-1.3b")
     if decode and not spec.has_vae:
@@ -330,6 +335,18 @@ class Loop:
             self.conditions = [{"encoder_hidden_states": embeds[0]}]
             if settings.guidance_scale > 1.0:  # WanPipeline.do_classifier_free_guidance: the uncond pass
                 self.conditions.append({"encoder_hidden_states": embeds[1]})
+        elif settings.family == "cogvideox":
+            prompt = builtin_models.random_prompt_inputs(settings.model, 1, "cpu", dtype, generator)
+            embeds = prompt["prompt_embeds"]
+            if settings.guidance_scale > 1.0:  # CogVideoXPipeline batches the unconditional pass, first
+                embeds = torch.cat([prompt["negative_prompt_embeds"], embeds])
+            from diffusers import CogVideoXPipeline
+
+            pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+                                     scheduler=self.scheduler())
+            rotary = pipe._prepare_rotary_positional_embeddings(settings.height, settings.width,
+                                                                settings.latent_shape[1], device)
+            self.conditions = [{"encoder_hidden_states": embeds.to(device), "image_rotary_emb": rotary}]
         else:
             prompt = builtin_models.random_prompt_inputs(settings.model, 1, "cpu", dtype, generator)
             guidance = torch.tensor([settings.guidance_scale * 1000.0], dtype=dtype, device=device)
@@ -339,10 +356,13 @@ class Loop:
 
     def scheduler(self):
         import numpy as np
-        from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+        from diffusers import CogVideoXDDIMScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
         steps = self.settings.steps
-        if self.settings.family == "wan":
+        if self.settings.family == "cogvideox":
+            scheduler = CogVideoXDDIMScheduler(**builtin_models.COGVIDEOX_SCHEDULER)
+            scheduler.set_timesteps(steps, device=self.device)
+        elif self.settings.family == "wan":
             # diffusers' WanPipeline docs: flow_shift 3.0 for 480p, 5.0 for 720p.
             shift = 5.0 if min(self.settings.height, self.settings.width) >= 720 else 3.0
             scheduler = UniPCMultistepScheduler(**{**builtin_models.WAN_SCHEDULER, "flow_shift": shift})
@@ -350,12 +370,20 @@ class Loop:
         else:
             scheduler = FlowMatchEulerDiscreteScheduler(**builtin_models.HUNYUANVIDEO_SCHEDULER)
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], device=self.device)
-        scheduler.set_begin_index(0)
+        if hasattr(scheduler, "set_begin_index"):  # DDIM steps by timestep value, with no index to set
+            scheduler.set_begin_index(0)
         return scheduler
 
+    @property
+    def batched_guidance(self) -> bool:
+        """Whether one forward carries both guidance passes (CogVideoX: a batch of two)."""
+        return self.settings.family == "cogvideox" and self.settings.guidance_scale > 1.0
+
     def forward(self, transformer, latents, t, condition: int):
+        if self.batched_guidance:
+            latents = torch.cat([latents, latents])  # DDIM's scale_model_input is the identity
         timestep = t.expand(latents.shape[0])
-        if self.settings.family != "wan":
+        if self.settings.family == "hunyuanvideo":
             timestep = timestep.to(latents.dtype)  # as HunyuanVideoPipeline passes it
         return transformer(hidden_states=latents.to(self.dtype), timestep=timestep, **self.conditions[condition],
                            return_dict=False)[0]
@@ -367,8 +395,14 @@ class Loop:
             with Timer(self.device) as timer:
                 preds.append(self.forward(transformer, latents, t, condition))
             forward_times.append(timer)
-        pred = preds[0] if len(preds) == 1 else preds[1] + self.settings.guidance_scale * (preds[0] - preds[1])
-        return scheduler.step(pred, t, latents, return_dict=False)[0]
+        if self.batched_guidance:
+            uncond, cond = preds[0].float().chunk(2)
+            pred = uncond + self.settings.guidance_scale * (cond - uncond)
+        else:
+            pred = preds[0] if len(preds) == 1 else preds[1] + self.settings.guidance_scale * (preds[0] - preds[1])
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        # CogVideoXPipeline keeps its latents in the prompt's dtype between steps.
+        return latents.to(self.dtype) if self.settings.family == "cogvideox" else latents
 
 
 def build(settings: Settings, device: torch.device, dtype: torch.dtype):

@@ -8,8 +8,9 @@
     torchrun --nproc-per-node 2 examples/generate_video.py --model wan2.1-t2v-14b --ulysses-degree 2 --no-decode
 
 ``--model`` is a built-in name (fsattn_diffusers.builtin_models: tiny, wan2.1-t2v-1.3b,
-wan2.1-t2v-14b, hunyuanvideo, tiny-hunyuanvideo; random weights, nothing downloaded) or a hub id
-/ local folder of a Wan or HunyuanVideo diffusers pipeline (``DiffusionPipeline.from_pretrained``). At the end it
+wan2.1-t2v-14b, hunyuanvideo, tiny-hunyuanvideo, cogvideox-5b, tiny-cogvideox; random weights,
+nothing downloaded) or a hub id / local folder of a Wan, HunyuanVideo or CogVideoX diffusers
+pipeline (``DiffusionPipeline.from_pretrained``). At the end it
 prints the time per step and in total, the attention backend, fsattn's speculative-max
 fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
 
@@ -253,7 +254,7 @@ def gather_rank_times(result: "RunResult", parallel: Parallel) -> dict:
 class LoadedModel:
     pipe: object
     name: str
-    family: str  # "wan", "hunyuanvideo" or "other"
+    family: str  # "wan", "hunyuanvideo", "cogvideox" or "other"
     spec: builtin_models.BuiltinModel | None  # set for built-ins
     device: torch.device
     dtype: torch.dtype
@@ -273,6 +274,8 @@ def _family_of(pipe) -> str:
         return "wan"
     if name.startswith("HunyuanVideo"):
         return "hunyuanvideo"
+    if name.startswith("CogVideoX"):
+        return "cogvideox"
     return "other"
 
 
@@ -299,12 +302,12 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, cpu_offload
                 f"DiffusionPipeline.from_pretrained failed: {type(exc).__name__}: {exc}") from exc
         family = _family_of(pipe)
         if family == "other":
-            print(f"warning: {type(pipe).__name__} is neither a Wan nor a HunyuanVideo pipeline; trying anyway",
-                  file=sys.stderr)
+            print(f"warning: {type(pipe).__name__} is not a Wan, HunyuanVideo or CogVideoX pipeline; "
+                  "trying anyway", file=sys.stderr)
         if family == "wan" and getattr(pipe, "vae", None) is not None:
             pipe.vae.to(torch.float32)  # Wan's VAE is run in float32 in Wan's own examples
-        if family == "hunyuanvideo" and getattr(pipe, "vae", None) is not None:
-            pipe.vae.enable_tiling()  # a 720p, 129-frame decode does not fit otherwise
+        if family in ("hunyuanvideo", "cogvideox") and getattr(pipe, "vae", None) is not None:
+            pipe.vae.enable_tiling()  # as both models' examples decode (HunyuanVideo's 720p needs it)
         if not cpu_offload:
             pipe.to(device)
         loaded = LoadedModel(pipe, model, family, None, device, dtype)
@@ -489,7 +492,8 @@ class GenerationSettings:
 def resolve_settings(args, loaded: LoadedModel) -> GenerationSettings:
     """Command-line values, with the model's defaults where none was given."""
     spec = loaded.spec
-    pipe_defaults = {"wan": (480, 832, 81, 50, 5.0, 16), "hunyuanvideo": (720, 1280, 129, 50, 6.0, 24)}
+    pipe_defaults = {"wan": (480, 832, 81, 50, 5.0, 16), "hunyuanvideo": (720, 1280, 129, 50, 6.0, 24),
+                     "cogvideox": (480, 720, 49, 50, 6.0, 8)}
     h, w, f, s, g, fps = ((spec.height, spec.width, spec.num_frames, spec.steps, spec.guidance_scale, spec.fps)
                           if spec else pipe_defaults.get(loaded.family, (480, 832, 81, 50, 5.0, 16)))
     decode = not args.no_decode

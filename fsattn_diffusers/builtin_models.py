@@ -1,6 +1,6 @@
 """Built-in model architectures, constructed in code with random weights: nothing is downloaded.
 
-Five names are built in (:data:`BUILTIN_MODELS`):
+Seven names are built in (:data:`BUILTIN_MODELS`):
 
 ``tiny``
     A whole :class:`~diffusers.WanPipeline` from the real classes (``WanTransformer3DModel``,
@@ -19,6 +19,11 @@ Five names are built in (:data:`BUILTIN_MODELS`):
     :class:`~diffusers.HunyuanVideoPipeline` with no text encoders and no VAE: the examples feed
     it random prompt embeddings (with a key-padding mask, as real prompts have) and stop at the
     latents (``output_type="latent"``). It is there for timing.
+``cogvideox-5b`` (and ``tiny-cogvideox``)
+    The real CogVideoX-5B transformer (``THUDM/CogVideoX-5b``: 48 heads of 64, joint attention over
+    226 text tokens and the video's) in a :class:`~diffusers.CogVideoXPipeline` with no text
+    encoder and no VAE, fed random T5-shaped prompt embeddings, stopping at the latents: the
+    head-dim-64 family, for timing.
 
 All of them have random weights, so what they make is noise-like by construction: they measure
 speed and the difference fsattn makes, never picture quality (:data:`RANDOM_WEIGHTS_NOTE`).
@@ -99,6 +104,41 @@ WAN_SCHEDULER = {
 # scheduler/scheduler_config.json of hunyuanvideo-community/HunyuanVideo.
 HUNYUANVIDEO_SCHEDULER = {"num_train_timesteps": 1000, "shift": 7.0}
 
+# transformer/config.json of THUDM/CogVideoX-5b (CogVideoX 1.0: no temporal patching, rotary
+# position embeddings, 49 frames at 480x720).
+COGVIDEOX_5B_TRANSFORMER = {
+    "activation_fn": "gelu-approximate",
+    "attention_bias": True,
+    "attention_head_dim": 64,
+    "dropout": 0.0,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "in_channels": 16,
+    "max_text_seq_length": 226,
+    "norm_elementwise_affine": True,
+    "norm_eps": 1e-5,
+    "num_attention_heads": 48,
+    "num_layers": 42,
+    "out_channels": 16,
+    "patch_size": 2,
+    "sample_frames": 49,
+    "sample_height": 60,
+    "sample_width": 90,
+    "spatial_interpolation_scale": 1.875,
+    "temporal_compression_ratio": 4,
+    "temporal_interpolation_scale": 1.0,
+    "text_embed_dim": 4096,
+    "time_embed_dim": 512,
+    "timestep_activation_fn": "silu",
+    "use_rotary_positional_embeddings": True,
+}
+# scheduler/scheduler_config.json of THUDM/CogVideoX-5b (CogVideoXDDIMScheduler).
+COGVIDEOX_SCHEDULER = {
+    "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False,
+    "num_train_timesteps": 1000, "prediction_type": "v_prediction", "rescale_betas_zero_snr": True,
+    "set_alpha_to_one": True, "snr_shift_scale": 1.0, "steps_offset": 0, "timestep_spacing": "trailing",
+}
+
 # The tiny Wan: two blocks of two 64-wide heads (head dim 64 is one of fsattn's tuned sizes).
 TINY_TRANSFORMER = {
     **WAN21_T2V_1_3B_TRANSFORMER,
@@ -121,6 +161,19 @@ TINY_HUNYUANVIDEO_TRANSFORMER = {
     "text_embed_dim": 32,
     "pooled_projection_dim": 16,
     "rope_axes_dim": [16, 24, 24],  # sums to the head dim
+}
+# The tiny CogVideoX: two blocks of two 64-wide heads, a 16-token text, 128x128 pixels (its
+# sample size: 8x VAE compression, then the 2x2 patch).
+TINY_COGVIDEOX_TRANSFORMER = {
+    **COGVIDEOX_5B_TRANSFORMER,
+    "num_attention_heads": 2,
+    "num_layers": 2,
+    "text_embed_dim": 32,
+    "time_embed_dim": 32,
+    "max_text_seq_length": 16,
+    "sample_frames": 9,
+    "sample_height": 16,
+    "sample_width": 16,
 }
 # Wan's VAE with its real latent layout (16 channels, 4x temporal and 8x spatial compression:
 # three downsamplings, the last two also in time) and very few channels.
@@ -145,7 +198,7 @@ class BuiltinModel:
     """One built-in architecture and the generation defaults that suit it."""
 
     name: str
-    family: str  # "wan" or "hunyuanvideo"
+    family: str  # "wan", "hunyuanvideo" or "cogvideox"
     description: str
     transformer_config: dict = field(repr=False)
     height: int
@@ -176,6 +229,12 @@ BUILTIN_MODELS = {
         BuiltinModel("hunyuanvideo", "hunyuanvideo", "HunyuanVideo transformer architecture, random weights",
                      HUNYUANVIDEO_TRANSFORMER, height=720, width=1280, num_frames=129, steps=50,
                      guidance_scale=6.0, has_text_encoder=False, has_vae=False, fps=24),
+        BuiltinModel("tiny-cogvideox", "cogvideox", "tiny random-weight CogVideoX transformer (CPU-sized)",
+                     TINY_COGVIDEOX_TRANSFORMER, height=128, width=128, num_frames=9, steps=4, guidance_scale=6.0,
+                     has_text_encoder=False, has_vae=False, fps=8),
+        BuiltinModel("cogvideox-5b", "cogvideox", "CogVideoX-5B transformer architecture, random weights",
+                     COGVIDEOX_5B_TRANSFORMER, height=480, width=720, num_frames=49, steps=50, guidance_scale=6.0,
+                     has_text_encoder=False, has_vae=False, fps=8),
     )
 }
 
@@ -260,6 +319,8 @@ def build_transformer(name: str, device="cpu", dtype: torch.dtype = torch.float3
     spec = get_builtin(name)
     if spec.family == "wan":
         from diffusers import WanTransformer3DModel as cls
+    elif spec.family == "cogvideox":
+        from diffusers import CogVideoXTransformer3DModel as cls
     else:
         from diffusers import HunyuanVideoTransformer3DModel as cls
     if str(device) == "meta":
@@ -272,10 +333,15 @@ def build_pipeline(name: str, device="cpu", dtype: torch.dtype = torch.float32, 
     """The pipeline of built-in ``name`` (module docstring), with random weights, on ``device``.
 
     The transformer and text encoder are in ``dtype``; Wan's VAE stays float32, as Wan's own
-    examples load it. Returns a ``WanPipeline`` or a ``HunyuanVideoPipeline``.
+    examples load it. Returns a ``WanPipeline``, a ``HunyuanVideoPipeline`` or a ``CogVideoXPipeline``.
     """
     spec = get_builtin(name)
     transformer = build_transformer(name, device, dtype, seed)
+    if spec.family == "cogvideox":
+        from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline
+
+        return CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+                                 scheduler=CogVideoXDDIMScheduler(**COGVIDEOX_SCHEDULER))
     if spec.family == "hunyuanvideo":
         from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
 
@@ -302,16 +368,22 @@ def build_pipeline(name: str, device="cpu", dtype: torch.dtype = torch.float32, 
 
 
 def random_prompt_inputs(name: str, batch_size: int, device, dtype: torch.dtype, generator=None) -> dict:
-    """Prompt embeddings for a built-in without text encoders (``hunyuanvideo``), as call kwargs.
+    """Prompt embeddings for a built-in without text encoders (HunyuanVideo, CogVideoX), as call kwargs.
 
-    Shapes are those of the real encoders: Llama hidden states ``(B, 256, 4096)`` with a mask that
-    keeps the first :data:`HUNYUAN_PROMPT_TOKENS` tokens (a short prompt; the rest is padding, so
-    the joint attention gets its real key-padding mask), and a CLIP pooled vector ``(B, 768)``.
+    Shapes are those of the real encoders. HunyuanVideo: Llama hidden states ``(B, 256, 4096)``
+    with a mask that keeps the first :data:`HUNYUAN_PROMPT_TOKENS` tokens (a short prompt; the rest
+    is padding, so the joint attention gets its real key-padding mask), and a CLIP pooled vector
+    ``(B, 768)``. CogVideoX: T5 hidden states ``(B, 226, 4096)`` for the prompt and the negative
+    prompt (its pipeline pads every prompt to that length, unmasked).
     """
     spec = get_builtin(name)
     if spec.has_text_encoder:
         raise ValueError(f"model={name!r} has a text encoder: pass a prompt instead of random embeddings")
     cfg = spec.transformer_config
+    if spec.family == "cogvideox":
+        shape = (batch_size, cfg["max_text_seq_length"], cfg["text_embed_dim"])
+        embeds, negative = (torch.randn(shape, generator=generator, device=device) for _ in range(2))
+        return {"prompt_embeds": embeds.to(dtype), "negative_prompt_embeds": negative.to(dtype)}
     seq = 256  # HunyuanVideoPipeline's max_sequence_length
     embeds = torch.randn(batch_size, seq, cfg["text_embed_dim"], generator=generator, device=device)
     pooled = torch.randn(batch_size, cfg["pooled_projection_dim"], generator=generator, device=device)

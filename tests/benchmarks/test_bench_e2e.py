@@ -201,6 +201,16 @@ def test_hunyuanvideo_runs_one_forward_per_step_without_a_vae(bench):
     assert fs["fsattn_stats"]["calls"]["emulation"] > 0
 
 
+def test_cogvideox_runs_guidance_as_one_batched_forward_per_step(bench):
+    report = bench.main(["--model", "tiny-cogvideox", "--device", "cpu", "--rows", "default,fsattn", "--steps", "2"])
+    assert report["forwards_per_step"] == 1 and not report["config"]["decode"]
+    assert report["config"]["video_tokens"] == 3 * 8 * 8
+    fs = report["rows"][1]
+    assert len(fs["forward_seconds"]) == 2 and "psnr_db" not in fs["quality"]
+    assert 0.999 < fs["quality"]["latents_cosine"] < 1.0
+    assert fs["fsattn_stats"]["calls"]["emulation"] == 2 * 2  # two blocks, two steps
+
+
 def test_first_call_only_times_the_first_call_and_nothing_else(bench, tmp_path):
     report = bench.main([*SMALL, "--rows", "default,fsattn+compile", "--first-call-only", "--cache-dir",
                          str(tmp_path / "cache")])
@@ -337,6 +347,10 @@ def test_loops_mirror_the_pipelines_inputs_and_repeat_with_the_seed(bench):
     (condition,) = hy_loop.conditions  # embedded guidance: one forward per step
     assert condition["encoder_hidden_states"].shape == (1, 256, 4096)
     assert condition["encoder_attention_mask"].sum() == 32 and condition["guidance"].item() == 6000.0
+    cog, _, _, _ = bench.resolve_settings(parser, parser.parse_args(["--model", "cogvideox-5b", "--device", "cpu"]))
+    # 49 frames at 480x720: 13 latent frames of 30x45 patches (the joint attention adds 226 text tokens).
+    assert (cog.height, cog.width, cog.frames, cog.video_tokens) == (480, 720, 49, 17550)
+    assert cog.latent_shape == (1, 13, 16, 60, 90)
 
 
 @pytest.mark.parametrize("name, attention", [

@@ -24,6 +24,33 @@ def test_real_architectures_match_the_published_configs(name, params, attention_
     assert model.config.num_attention_heads == heads and model.config.attention_head_dim == head_dim
 
 
+def test_cogvideox_5b_matches_its_published_config():
+    # No exact published parameter count was found to assert; "5B" and the config's shape are.
+    model = bm.build_transformer("cogvideox-5b", device="meta", dtype=torch.bfloat16)
+    assert 5.0e9 < bm.count_parameters(model) < 6.0e9
+    attn = [m for _, m in model.named_modules() if hasattr(m, "processor")]
+    assert len(attn) == 42  # one joint (text + video) attention per block
+    assert model.config.num_attention_heads == 48 and model.config.attention_head_dim == 64
+    assert model.config.max_text_seq_length == 226 and model.config.use_rotary_positional_embeddings
+
+
+def test_cogvideox_prompt_inputs_are_t5_shaped_prompt_and_negative_prompt():
+    inputs = bm.random_prompt_inputs("cogvideox-5b", 1, "cpu", torch.bfloat16, torch.Generator().manual_seed(0))
+    assert set(inputs) == {"prompt_embeds", "negative_prompt_embeds"}
+    assert inputs["prompt_embeds"].shape == inputs["negative_prompt_embeds"].shape == (1, 226, 4096)
+    assert not torch.equal(inputs["prompt_embeds"], inputs["negative_prompt_embeds"])
+
+
+def test_tiny_cogvideox_pipeline_denoises_to_latents():
+    pipe = bm.build_pipeline("tiny-cogvideox")
+    inputs = bm.random_prompt_inputs("tiny-cogvideox", 1, "cpu", torch.float32, torch.Generator().manual_seed(0))
+    spec = bm.get_builtin("tiny-cogvideox")
+    out = pipe(**inputs, height=spec.height, width=spec.width, num_frames=spec.num_frames, num_inference_steps=2,
+               guidance_scale=spec.guidance_scale, output_type="latent").frames
+    # 9 frames -> 3 latent frames, frames before channels, 8x spatial compression.
+    assert out.shape == (1, 3, 16, spec.height // 8, spec.width // 8) and torch.isfinite(out).all()
+
+
 def test_wan_configs_differ_only_in_width_and_depth():
     small, large = bm.WAN21_T2V_1_3B_TRANSFORMER, bm.WAN21_T2V_14B_TRANSFORMER
     assert {k for k in small if small[k] != large[k]} == {"num_attention_heads", "ffn_dim", "num_layers"}
