@@ -816,6 +816,14 @@ def main(argv=None) -> dict:
             result["speedup_per_step"] = reference["step_seconds_median"] / result["step_seconds_median"]
         if result["dynamo"]["graph_breaks"]:
             report["warnings"].append(f"row {row.name}: {result['dynamo']['graph_breaks']} graph breaks")
+        fused_before = max((r["recipe"]["fused_modules"] for r in done if r["row_parts"]["fuse"] and r.get("recipe")),
+                           default=0)
+        if row.fuse and result.get("recipe") and result["recipe"]["fused_modules"] < fused_before:
+            # CogVideoX: diffusers' generic fusion cannot copy the FP8 weights an earlier row left.
+            report["warnings"].append(
+                f"row {row.name}: {result['recipe']['fused_modules']} attention modules fused against "
+                f"{fused_before} in an earlier row (this model cannot fuse the FP8 weights an earlier row "
+                "left): compare it with that row in a process of its own")
         refused = {k: v for k, v in (result.get("fsattn_stats") or {}).get("sdpa_fallbacks", {}).items()
                    if k != "small_problem"}
         if refused:

@@ -232,6 +232,26 @@ def test_a_budget_skips_the_rows_that_would_not_fit(bench, tmp_path):
     assert _strict_json(out)["rows"][1]["skipped"] == second["skipped"]
 
 
+def test_a_fuse_row_that_fused_less_than_an_earlier_one_is_flagged(bench, monkeypatch):
+    # CogVideoX after an FP8 row: diffusers' generic fusion cannot copy FP8 weights, so a later
+    # row asking for fused QKV runs unfused. Stand-in: the real rows, the second one's count lowered.
+    real = bench.run_row
+
+    def run_row(row, *args):
+        result = real(row, *args)
+        if row.name == "default+fuse":
+            result["recipe"]["fused_modules"] = 0
+        return result
+
+    rows = ["--rows", "default,fsattn+fuse,default+fuse", "--steps", "1", "--no-decode"]
+    report = bench.main([*SMALL, *rows])
+    assert [r["recipe"]["fused_modules"] for r in report["rows"][1:]] == [4, 4] and report["warnings"] == []
+    monkeypatch.setattr(bench, "run_row", run_row)
+    report = bench.main([*SMALL, *rows])
+    (warning,) = report["warnings"]
+    assert warning.startswith("row default+fuse: 0 attention modules fused against 4 in an earlier row")
+
+
 def test_row_estimate_adds_the_worst_compile_to_compiled_rows(bench):
     parser = bench.build_parser()
     settings, _, _, _ = bench.resolve_settings(parser, parser.parse_args([*SMALL, "--steps", "3"]))
