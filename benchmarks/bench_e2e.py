@@ -329,6 +329,8 @@ class Loop:
         self.settings, self.device, self.dtype = settings, device, dtype
         generator = torch.Generator("cpu").manual_seed(settings.seed)
         self.noise = torch.randn(settings.latent_shape, generator=generator, dtype=torch.float32).to(device)
+        if settings.family == "cogvideox":  # CogVideoXPipeline draws its noise in the prompt's dtype
+            self.noise = self.noise.to(dtype)
         if settings.family == "wan":
             text_dim = transformer.config.text_dim
             embeds = [torch.randn(1, TEXT_TOKENS, text_dim, generator=generator).to(device, dtype) for _ in range(2)]
@@ -398,6 +400,8 @@ class Loop:
         if self.batched_guidance:
             uncond, cond = preds[0].float().chunk(2)
             pred = uncond + self.settings.guidance_scale * (cond - uncond)
+        elif self.settings.family == "cogvideox":
+            pred = preds[0].float()  # as CogVideoXPipeline steps its scheduler
         else:
             pred = preds[0] if len(preds) == 1 else preds[1] + self.settings.guidance_scale * (preds[0] - preds[1])
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]

@@ -74,7 +74,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"built-in architecture ({names}; random weights) or a hub id / local path of a Wan or "
                              "HunyuanVideo diffusers pipeline")
     parser.add_argument("--prompt", default="A red panda surfing a wave at sunset, cinematic")
-    parser.add_argument("--negative-prompt", default=None, help="Wan only (HunyuanVideo uses embedded guidance)")
+    parser.add_argument("--negative-prompt", default=None, help="Wan and CogVideoX (HunyuanVideo uses embedded guidance)")
     parser.add_argument("--height", type=_positive_int, default=None, help="default: the model's (tiny: 256)")
     parser.add_argument("--width", type=_positive_int, default=None, help="default: the model's (tiny: 256)")
     parser.add_argument("--num-frames", type=_positive_int, default=None,
@@ -546,7 +546,7 @@ def call_kwargs(loaded: LoadedModel, settings: GenerationSettings, steps: int, d
         kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
     else:
         kwargs["prompt"] = settings.prompt
-        if settings.negative_prompt is not None and loaded.family == "wan":
+        if settings.negative_prompt is not None and loaded.family in ("wan", "cogvideox"):
             kwargs["negative_prompt"] = settings.negative_prompt
     return kwargs
 

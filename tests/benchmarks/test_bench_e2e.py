@@ -211,6 +211,33 @@ def test_cogvideox_runs_guidance_as_one_batched_forward_per_step(bench):
     assert fs["fsattn_stats"]["calls"]["emulation"] == 2 * 2  # two blocks, two steps
 
 
+@pytest.mark.parametrize("guidance", [6.0, 1.0])
+def test_cogvideox_loop_steps_as_the_pipeline_does(bench, guidance):
+    # float32 on the CPU: the loop's latents after three steps are the pipeline's, bit for bit
+    # (prompt order under guidance, timesteps, the scheduler's step, the dtype between steps).
+    from fsattn_diffusers import builtin_models
+
+    parser = bench.build_parser()
+    settings, _, device, dtype = bench.resolve_settings(parser, parser.parse_args(
+        ["--model", "tiny-cogvideox", "--device", "cpu", "--steps", "3", "--guidance-scale", str(guidance)]))
+    pipe = builtin_models.build_pipeline("tiny-cogvideox", device, dtype, seed=settings.seed)
+    loop = bench.Loop(settings, pipe.transformer, device, dtype)
+    scheduler, latents, times = loop.scheduler(), loop.noise.clone(), []
+    with torch.no_grad():
+        for index in range(settings.steps):
+            latents = loop.step(pipe.transformer, scheduler, latents, index, times)
+        # The loop's draws, in its order: the noise, then the prompt's and the negative prompt's embeddings.
+        generator = torch.Generator("cpu").manual_seed(settings.seed)
+        torch.randn(settings.latent_shape, generator=generator)
+        prompt = builtin_models.random_prompt_inputs("tiny-cogvideox", 1, "cpu", dtype, generator)
+        if guidance <= 1.0:
+            del prompt["negative_prompt_embeds"]
+        reference = pipe(**prompt, height=settings.height, width=settings.width, num_frames=settings.frames,
+                         num_inference_steps=settings.steps, guidance_scale=guidance, latents=loop.noise.clone(),
+                         output_type="latent").frames
+    assert len(times) == settings.steps and torch.equal(latents, reference)
+
+
 def test_first_call_only_times_the_first_call_and_nothing_else(bench, tmp_path):
     report = bench.main([*SMALL, "--rows", "default,fsattn+compile", "--first-call-only", "--cache-dir",
                          str(tmp_path / "cache")])
