@@ -57,7 +57,11 @@ Four parts, each switchable, applied in this order:
    names in ``_repeated_blocks``: one graph per block class, shared by all its blocks, fsattn's
    custom op inside, no graph break allowed); models without ``_repeated_blocks`` get each block
    of their block lists compiled the same way, and blocks carrying diffusers hooks stay eager
-   (context parallelism's, below). Inductor gets one option, :data:`INDUCTOR_OPTIONS`'s
+   (context parallelism's, below). A block input that arrives as a strided view (CogVideoX's
+   first block gets slices of the joint text-video sequence; every later block gets whole
+   tensors) is made contiguous before the compiled call: Dynamo specialises a graph on its
+   inputs' strides, so that one block would otherwise compile a second graph of its class
+   (a copy of two activations a forward, against a whole second compilation). Inductor gets one option, :data:`INDUCTOR_OPTIONS`'s
    ``emulate_precision_casts``: a fused chain of bf16 elementwise ops then rounds each result
    to bf16 as eager does, instead of carrying float32 through the chain. Without it, compiling
    alone moved the output further from eager diffusers than fsattn or FP8 did (Wan2.1-1.3B, two
@@ -495,11 +499,32 @@ def compile_arguments(compile_options: dict, dynamic) -> dict:
     return {**arguments, "options": options}
 
 
+def _strided_view(value) -> bool:
+    """A tensor laid out other than contiguously, not by broadcasting (no zero stride): a slice or
+    a permutation, which a copy makes contiguous for the price of its bytes."""
+    return isinstance(value, torch.Tensor) and not value.is_contiguous() and 0 not in value.stride()
+
+
+def _with_contiguous_inputs(compiled_call):
+    """`compiled_call` (a region's ``_compiled_call_impl``), given contiguous copies of its
+    strided-view tensor arguments: the block's graph is then the one its class's other blocks use
+    (module docstring, item 4). Broadcast tensors pass as they are: every block gets them alike."""
+
+    def call(*args, **kwargs):
+        if any(map(_strided_view, args)) or any(map(_strided_view, kwargs.values())):
+            args = tuple(a.contiguous() if _strided_view(a) else a for a in args)
+            kwargs = {k: (v.contiguous() if _strided_view(v) else v) for k, v in kwargs.items()}
+        return compiled_call(*args, **kwargs)
+
+    return call
+
+
 def _compile(model, state: _RecipeState, dynamic, compile_options: dict) -> None:
     regions, hooked = _compile_regions(model)
     for _, module in regions:
         # compile_repeated_blocks's call, with the recipe's inductor options
         module.compile(**compile_arguments(compile_options, dynamic), fullgraph=True, dynamic=dynamic)
+        module._compiled_call_impl = _with_contiguous_inputs(module._compiled_call_impl)
     state.compiled = [module for _, module in regions]
     if hooked:
         logger.info("apply_recipe: %s: %s left uncompiled (diffusers hooks on them, e.g. context parallelism's)",
