@@ -41,8 +41,10 @@ Four parts, each switchable, applied in this order:
    * layers whose sizes are not multiples of 16 (``torch._scaled_mm`` needs them; torchao
      would skip them silently).
 
-   When fused, the unused separate projections are quantized too, so that undoing the fusion
-   runs them in FP8 like the rest.
+   When fused, the unused separate projections are in FP8 too, so that undoing the fusion runs
+   them in FP8 like the rest: their float8 weights are row slices of the fused layer's (the same
+   values as quantising each alone, one scale per output row), not copies, which would cost
+   another byte per QKV weight (3 GB at Wan2.1-14B).
 
    ``fuse_ffn`` (with ``fp8_linear``): each diffusers ``FeedForward`` with a tanh-GELU whose
    down projection is now FP8 computes the GELU and the per-row FP8 scaling of its output in one
@@ -428,9 +430,13 @@ def _quantize(model, state: _RecipeState, config) -> None:
 
     chosen = _fp8_candidates(model, state.parts["fp8_conditioning"])
     originals = {path: (module, module.weight) for path, module in chosen}
-    ids = {id(module) for _, module in chosen}
+    slices = _fused_slices(state, {id(module) for _, module in chosen})
+    ids = {id(module) for _, module in chosen} - set(slices)
     try:
         quantize_(model, config, filter_fn=lambda module, fqn: id(module) in ids)
+        unsliced = _take_fused_slices(slices)
+        if unsliced:  # a torchao whose float8 weights cannot be sliced: quantized on their own
+            quantize_(model, config, filter_fn=lambda module, fqn: id(module) in unsliced)
         missed = [path for path, module in chosen if not _is_float8(module.weight)]
         if missed:
             raise RuntimeError(f"apply_recipe: torchao left {len(missed)} chosen layers unquantized (e.g. "
@@ -441,6 +447,51 @@ def _quantize(model, state: _RecipeState, config) -> None:
     state.fp8_names = [path for path, _ in chosen]
     state.original_weights = originals
     logger.info("apply_recipe: %s: %d linear layers in FP8 (per-row e4m3)", type(model).__name__, len(chosen))
+
+
+def _fused_slices(state: _RecipeState, chosen: set) -> dict:
+    """``{id(projection): (projection, fused layer, first row)}`` for the chosen separate
+    projections whose weight is a slice of a chosen fused layer's (QKV fusion shares the storage,
+    :func:`_share_fused_storage`): FP8 gives them slices of the fused layer's float8 weight."""
+    slices = {}
+    for record in state.fused:
+        for fused_name in record.added:
+            fused = getattr(record.module, fused_name)
+            sources = _FUSED_LAYERS.get(fused_name, ())
+            parts = [getattr(record.module, name, None) for name in sources]
+            if id(fused) not in chosen or not all(isinstance(p, torch.nn.Linear) and id(p) in chosen for p in parts):
+                continue
+            whole, start = fused.weight, 0
+            for part in parts:
+                weight = part.weight
+                shared = weight.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                if (not shared or not weight.is_contiguous()
+                        or weight.storage_offset() != whole.storage_offset() + start * whole.shape[1]):
+                    break
+                start += part.out_features
+            else:
+                start = 0
+                for part in parts:
+                    slices[id(part)] = (part, fused, start)
+                    start += part.out_features
+    return slices
+
+
+def _take_fused_slices(slices: dict) -> set:
+    """Give each projection of `slices` (:func:`_fused_slices`) its rows of the fused layer's float8
+    weight, scales included: the values quantising it on its own gives (one scale per output
+    row), without a second copy. Returns the ids of those this torchao could not slice."""
+    failed = set()
+    for key, (module, fused, start) in slices.items():
+        try:
+            rows = fused.weight[start:start + module.out_features]
+        except Exception:  # noqa: BLE001 - any refusal of the slice: quantized on its own instead
+            rows = None
+        if rows is None or not _is_float8(rows) or tuple(rows.shape) != tuple(module.weight.shape):
+            failed.add(key)
+            continue
+        module.weight = torch.nn.Parameter(rows, requires_grad=False)
+    return failed
 
 
 def _restore_weights(originals: dict) -> None:

@@ -162,6 +162,47 @@ def test_fp8_quantizes_exactly_the_selection_and_the_fused_layers(fp8_on_cpu, fa
     assert sorted(recipe_summary(model)["model"]["fp8_linear"]) == sorted(set(expected) | set(fused_layers))
 
 
+@pytest.mark.parametrize("family", ["wan_t2v", "cogvideox"])
+def test_fused_projections_in_fp8_are_row_slices_of_the_fused_weight(fp8_on_cpu, family):
+    model, inputs = _bf16(*BUILDERS[family]())
+    apply_recipe(model, fsattn=False, compile=False)
+    fused_out = run(model, inputs)
+    fused_modules = [m for _, m in attention_modules(model) if hasattr(m, "to_qkv")]
+    assert len(fused_modules) == 2
+    for module in fused_modules:
+        whole, start = module.to_qkv.weight, 0
+        for name in ("to_q", "to_k", "to_v"):
+            part = getattr(module, name).weight
+            rows = slice(start, start + part.shape[0])
+            assert type(part) is type(whole) and part.qdata.untyped_storage().data_ptr() == \
+                whole.qdata.untyped_storage().data_ptr()  # no second copy of the float8 bytes
+            assert torch.equal(part.qdata.view(torch.uint8), whole.qdata[rows].view(torch.uint8))
+            assert torch.equal(part.scale, whole.scale[rows])
+            start += part.shape[0]
+        assert start == whole.shape[0]
+    remove_recipe(model)  # unfused: the separate projections run on those slices
+    assert not any(hasattr(m, "to_qkv") for m in fused_modules)
+    torch.testing.assert_close(run(model, inputs), fused_out, rtol=2e-2, atol=2e-2)
+
+
+def test_a_torchao_that_cannot_slice_float8_weights_quantizes_the_projections_on_their_own(fp8_on_cpu,
+                                                                                            monkeypatch):
+    from torchao.quantization import quantize_
+
+    model, _ = _bf16(*BUILDERS["wan_t2v"]())
+    probe = torch.nn.Sequential(torch.nn.Linear(32, 32).to(torch.bfloat16))
+    quantize_(probe, recipe._fp8_config())
+
+    def refuse(self, index):
+        raise NotImplementedError("no slicing here")
+
+    monkeypatch.setattr(type(probe[0].weight), "__getitem__", refuse)
+    apply_recipe(model, fsattn=False, compile=False)
+    assert _float8_layers(model) == set(WAN_T2V) | {"blocks.0.attn1.to_qkv", "blocks.1.attn1.to_qkv"}
+    attn = model.blocks[0].attn1
+    assert attn.to_q.weight.qdata.untyped_storage().data_ptr() != attn.to_qkv.weight.qdata.untyped_storage().data_ptr()
+
+
 def test_applying_again_after_fp8_leaves_cogvideox_unfused_instead_of_failing(fp8_on_cpu):
     # FP8 is not undone, and diffusers' generic fuse_projections cannot concatenate float8 weights.
     model, inputs = _bf16(*BUILDERS["cogvideox"]())
