@@ -59,11 +59,13 @@ Four parts, each switchable, applied in this order:
    names in ``_repeated_blocks``: one graph per block class, shared by all its blocks, fsattn's
    custom op inside, no graph break allowed); models without ``_repeated_blocks`` get each block
    of their block lists compiled the same way, and blocks carrying diffusers hooks stay eager
-   (context parallelism's, below). A block input that arrives as a strided view (CogVideoX's
-   first block gets slices of the joint text-video sequence; every later block gets whole
-   tensors) is made contiguous before the compiled call: Dynamo specialises a graph on its
-   inputs' strides, so that one block would otherwise compile a second graph of its class
-   (a copy of two activations a forward, against a whole second compilation). Inductor gets one option, :data:`INDUCTOR_OPTIONS`'s
+   (context parallelism's, below). Block inputs get row-major strides before the compiled call:
+   Dynamo specialises a graph on its inputs' strides, so that a block whose inputs arrive as
+   slices would otherwise compile a second graph of its class. CogVideoX's first block gets
+   slices of the joint text-video sequence (every later block whole tensors): they are copied,
+   two activations a forward against a whole second compilation. HunyuanVideo's single-stream
+   blocks after the first get token-axis slices of the joint sequence: at batch one these are
+   contiguous with only the batch stride off, and get a view with row-major strides (no copy). Inductor gets one option, :data:`INDUCTOR_OPTIONS`'s
    ``emulate_precision_casts``: a fused chain of bf16 elementwise ops then rounds each result
    to bf16 as eager does, instead of carrying float32 through the chain. Without it, compiling
    alone moved the output further from eager diffusers than fsattn or FP8 did (Wan2.1-1.3B, two
@@ -550,21 +552,42 @@ def compile_arguments(compile_options: dict, dynamic) -> dict:
     return {**arguments, "options": options}
 
 
-def _strided_view(value) -> bool:
-    """A tensor laid out other than contiguously, not by broadcasting (no zero stride): a slice or
-    a permutation, which a copy makes contiguous for the price of its bytes."""
-    return isinstance(value, torch.Tensor) and not value.is_contiguous() and 0 not in value.stride()
+def _row_major_strides(shape) -> tuple:
+    """The strides of ``torch.empty(shape)``: what every block of a class should see."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _needs_relayout(value) -> bool:
+    """A tensor whose strides are not row-major, other than by broadcasting (a zero stride on a
+    dimension longer than one): a slice, a permutation, or a slice along a dimension of size one
+    (``is_contiguous()`` is true there, but Dynamo guards on that dimension's stride too)."""
+    if not isinstance(value, torch.Tensor) or value.stride() == _row_major_strides(value.shape):
+        return False
+    return not any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape))
+
+
+def _relayout(value: torch.Tensor) -> torch.Tensor:
+    """`value` with row-major strides: a view when it is contiguous already (only the strides of
+    dimensions of size one differ, and those address nothing), a copy otherwise."""
+    if value.is_contiguous():
+        return value.as_strided(value.shape, _row_major_strides(value.shape))
+    return value.contiguous()
 
 
 def _with_contiguous_inputs(compiled_call):
-    """`compiled_call` (a region's ``_compiled_call_impl``), given contiguous copies of its
-    strided-view tensor arguments: the block's graph is then the one its class's other blocks use
-    (module docstring, item 4). Broadcast tensors pass as they are: every block gets them alike."""
+    """`compiled_call` (a region's ``_compiled_call_impl``), given its tensor arguments with
+    row-major strides (:func:`_relayout`): the block's graph is then the one its class's other
+    blocks use (module docstring, item 4). Broadcast tensors pass as they are: every block gets
+    them alike."""
 
     def call(*args, **kwargs):
-        if any(map(_strided_view, args)) or any(map(_strided_view, kwargs.values())):
-            args = tuple(a.contiguous() if _strided_view(a) else a for a in args)
-            kwargs = {k: (v.contiguous() if _strided_view(v) else v) for k, v in kwargs.items()}
+        if any(map(_needs_relayout, args)) or any(map(_needs_relayout, kwargs.values())):
+            args = tuple(_relayout(a) if _needs_relayout(a) else a for a in args)
+            kwargs = {k: (_relayout(v) if _needs_relayout(v) else v) for k, v in kwargs.items()}
         return compiled_call(*args, **kwargs)
 
     return call

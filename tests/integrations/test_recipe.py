@@ -351,7 +351,7 @@ def test_fp8_after_a_fused_lora_quantizes_the_weights_with_the_adapter(fp8_on_cp
 
 # One graph per compiled block class, shared by all its blocks (HunyuanVideo: double- and single-stream
 # blocks, the token refiner and the patch embedding). CogVideoX's first block gets strided slices of
-# the joint sequence and the others whole tensors: the recipe makes them contiguous (one graph, not two).
+# the joint sequence and the others whole tensors: the recipe makes them row-major (one graph, not two).
 @pytest.mark.parametrize("family, graphs", [("wan_t2v", 1), ("hunyuan_video", 4), ("cogvideox", 1)])
 def test_recipe_matches_fsattn_runs_every_call_on_it_and_compiles_without_breaks(family, graphs):
     model, inputs = BUILDERS[family]()
@@ -367,6 +367,38 @@ def test_recipe_matches_fsattn_runs_every_call_on_it_and_compiles_without_breaks
     assert counters["graph_break"] == {}  # fullgraph=True would have raised anyway
     assert counters["stats"]["unique_graphs"] == graphs
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)  # fused GEMMs: float32 rounding only
+
+
+def test_hunyuanvideo_single_blocks_share_one_graph_at_batch_one():
+    # At batch one the single-stream blocks' inputs are slices of the joint sequence along the
+    # token axis: contiguous, but with the batch stride of the whole sequence, on which Dynamo
+    # guards. Before they were given row-major strides, blocks 1 and on compiled a second graph.
+    from .conftest import build_hunyuan_video
+
+    model, inputs = build_hunyuan_video(layers=2, single_layers=3)
+    inputs = {k: v[:1] for k, v in inputs.items()}
+    apply_recipe(model, fp8_linear=False, compile_options=EAGER)
+    run(model, inputs)
+    assert counters["graph_break"] == {}
+    assert counters["stats"]["unique_graphs"] == 4  # patch embedding, token refiner, double, single blocks
+
+
+def test_block_inputs_get_row_major_strides_without_copying_contiguous_ones():
+    joint = torch.randn(1, 10, 4)
+    video, text = joint[:, :-3], joint[:, -3:]  # contiguous, batch stride 40 instead of 28 / 12
+    assert video.is_contiguous() and video.stride() == (40, 4, 1)
+    seen = []
+    call = recipe._with_contiguous_inputs(lambda *a, **k: seen.append((a, k)))
+    broadcast = torch.randn(4).expand(2, 4)
+    transposed = torch.randn(4, 5).t()
+    call(video, text=text, b=broadcast, t=transposed)
+    (out_video,), kw = seen[0]
+    assert out_video.stride() == (28, 4, 1) and kw["text"].stride() == (12, 4, 1)
+    assert out_video.data_ptr() == video.data_ptr() and kw["text"].data_ptr() == text.data_ptr()  # views
+    assert torch.equal(out_video, video) and torch.equal(kw["text"], text)
+    assert kw["b"] is broadcast  # every block gets a broadcast alike: left as it is
+    assert kw["t"].stride() == (4, 1) and kw["t"].data_ptr() != transposed.data_ptr()
+    assert torch.equal(kw["t"], transposed)
 
 
 def test_fused_projections_share_the_fused_weight():
