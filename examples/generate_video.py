@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -279,6 +280,13 @@ def _family_of(pipe) -> str:
     return "other"
 
 
+def _required_inputs(pipe) -> list[str]:
+    """The pipeline call's parameters without a default (an image-to-video pipeline's ``image``)."""
+    parameters = inspect.signature(pipe.__call__).parameters.values()
+    return [p.name for p in parameters
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def load_model(model: str, device: torch.device, dtype: torch.dtype, cpu_offload: bool = False,
                seed: int = 0) -> LoadedModel:
     """A built-in (random weights, built in code) or a pipeline from ``from_pretrained``."""
@@ -300,6 +308,11 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, cpu_offload
             raise SystemExit(
                 f"--model={model!r} is not a built-in ({', '.join(builtin_models.BUILTIN_MODELS)}) and "
                 f"DiffusionPipeline.from_pretrained failed: {type(exc).__name__}: {exc}") from exc
+        needed = _required_inputs(pipe)
+        if needed:
+            raise SystemExit(
+                f"--model={model!r}: {type(pipe).__name__} needs {', '.join(needed)} as input; this example "
+                "generates from a text prompt only (text-to-video pipelines)")
         family = _family_of(pipe)
         if family == "other":
             print(f"warning: {type(pipe).__name__} is not a Wan, HunyuanVideo or CogVideoX pipeline; "
@@ -496,6 +509,11 @@ def resolve_settings(args, loaded: LoadedModel) -> GenerationSettings:
                      "cogvideox": (480, 720, 49, 50, 6.0, 8)}
     h, w, f, s, g, fps = ((spec.height, spec.width, spec.num_frames, spec.steps, spec.guidance_scale, spec.fps)
                           if spec else pipe_defaults.get(loaded.family, (480, 832, 81, 50, 5.0, 16)))
+    if spec is None and loaded.family == "cogvideox":
+        # CogVideoXPipeline's own defaults, from the checkpoint's config: CogVideoX 1.0 480x720x49,
+        # CogVideoX1.5 768x1360x81.
+        config, scale = loaded.pipe.transformer.config, loaded.pipe.vae_scale_factor_spatial
+        h, w, f = config.sample_height * scale, config.sample_width * scale, config.sample_frames
     decode = not args.no_decode
     if decode and not loaded.can_decode:
         print(f"note: {loaded.name!r} has no VAE: stopping at the latents (no mp4)", file=sys.stderr)

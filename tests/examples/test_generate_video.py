@@ -199,3 +199,40 @@ def test_fp8_needs_bf16(generate_video, monkeypatch):
     with pytest.raises(SystemExit, match="--fp8-linear needs the transformer in bfloat16.*--dtype float16"):
         generate_video.check_recipe_parts(parts, torch.device("cuda"), torch.float16)
     generate_video.check_recipe_parts(parts, torch.device("cuda"), torch.bfloat16)
+
+
+def _defaults_args():
+    return argparse.Namespace(prompt="a prompt", negative_prompt=None, height=None, width=None, num_frames=None,
+                              steps=None, guidance_scale=None, seed=0, fps=None, no_decode=True)
+
+
+def test_a_cogvideox_checkpoint_gets_the_size_its_config_names(generate_video, monkeypatch):
+    # CogVideoX1.5's checkpoints name other sizes than 1.0's, so the size must come from the
+    # config, not a table. The tiny built-in stands in for what from_pretrained would return.
+    import diffusers
+    import torch
+    from fsattn_diffusers import builtin_models
+
+    pipe = builtin_models.build_pipeline("tiny-cogvideox", torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", classmethod(lambda cls, *a, **k: pipe))
+    loaded = generate_video.load_model("THUDM/CogVideoX1.5-5B", torch.device("cpu"), torch.float32)
+    assert loaded.family == "cogvideox" and not loaded.random_weights
+    settings = generate_video.resolve_settings(_defaults_args(), loaded)
+    config = loaded.pipe.transformer.config
+    assert (settings.height, settings.width, settings.num_frames) == (
+        config.sample_height * 8, config.sample_width * 8, config.sample_frames)  # 8: no VAE, the pipeline's factor
+    assert (settings.height, settings.width) != (480, 720)
+
+
+def test_an_image_to_video_pipeline_is_refused_naming_its_input(generate_video, monkeypatch):
+    import diffusers
+    import torch
+
+    class CogVideoXImageToVideoPipeline:
+        def __call__(self, image, prompt=None, height=None):
+            raise AssertionError("called")
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: CogVideoXImageToVideoPipeline()))
+    with pytest.raises(SystemExit, match=r"needs image as input; .*text prompt only"):
+        generate_video.load_model("THUDM/CogVideoX-5b-I2V", torch.device("cpu"), torch.float32)
