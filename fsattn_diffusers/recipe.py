@@ -76,9 +76,10 @@ Four parts, each switchable, applied in this order:
    ``set_inductor_config`` is off (it would switch on coordinate-descent tuning for
    every later compile in the process). That tuning, asked for per compile
    (``compile_options={"options": {"coordinate_descent_tuning": True}}``), shortened a
-   Wan2.1-1.3B forward by 1.8-2.4 % (the FFN's GELU-and-FP8-scaling kernel by 15 %) and made
-   the first call about 30 s longer in a fresh process (51 s against ~20 s): it pays only
-   where torch's on-disk caches carry the tuned kernels to later processes.
+   Wan2.1-1.3B forward by 1.8-2.4 % while inductor still compiled the feed-forward's GELU and
+   FP8 scaling; with ``fuse_ffn``'s kernel in its place it gives nothing measurable (H200:
+   Wan2.1-14B 7.208 against 7.203 s a forward, 1.3B 0.3555 against 0.3545 s) and makes a fresh
+   process's first call 10-25 s longer. It is not on by default.
 
 What can be undone (:func:`remove_recipe`): compilation (``nn.Module.compile`` sets
 ``_compiled_call_impl``; it is reset), fsattn, the fused feed-forwards, and the QKV fusion
