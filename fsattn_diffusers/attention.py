@@ -221,9 +221,11 @@ def fsattn(query, key, value, attn_mask=None, scale=None, layout="NHD", return_l
 
 
 def key_mask(attn_mask, query, key, layout="NHD"):
-    """A key-padding mask (checked by :func:`refusal`) as ``(key_weight, key_bias)``, each float32
-    ``(B, Sk)`` or None: the weight is 0 for masked keys, 1 for attended ones; the bias, for float
-    masks only, is added to the scores in natural-log units (``-inf`` where masked)."""
+    """A key-padding mask (checked by :func:`refusal`) as ``(key_weight, key_bias)``, each ``(B, Sk)``
+    or None: the weight is 0 for masked keys, 1 for attended ones; the bias, float32 and for float
+    masks only, is added to the scores in natural-log units (``-inf`` where masked). A boolean
+    mask's weight is the mask itself, a view (the K/V pre-pass reads booleans as 0/1): no launch
+    and no copy for it; a float mask's weight is float32."""
     if attn_mask is None:
         return None, None
     bsz = query.shape[0]
@@ -231,7 +233,7 @@ def key_mask(attn_mask, query, key, layout="NHD"):
     full = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
     per_key = attn_mask.reshape(full[0], full[3]).expand(bsz, seq_k)
     if attn_mask.dtype == torch.bool:
-        return per_key.float().contiguous(), None
+        return per_key, None
     # An additive mask masks a key by a large negative bias (-inf, finfo.min, or LTX-Video's -1e4).
     # Such keys must also leave the K/V statistics (means, V's FP8 scale), or a padded V coarsens
     # every attended key's grid: they become weight-0 keys, with bias -inf so that none can set a

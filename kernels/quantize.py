@@ -615,8 +615,8 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     ----------
     k, v : Tensor (B, S, H, D), any strides
         Keys and values (a permuted view is fine: no copy is made).
-    key_weight : Tensor (B, S) or None
-        1.0 for keys to attend to, 0.0 for masked keys (boolean key-padding mask).
+    key_weight : Tensor (B, S) or None, any strides
+        1.0 (or True) for keys to attend to, 0.0 (False) for masked keys: float or boolean.
     block_n : int
         Keys per tile (a power of two): the padding granularity and the per-block K scale's block.
     d_pad : int

@@ -188,6 +188,20 @@ def test_masked_keys_never_reach_the_outputs(bad, order):
         assert torch.equal(getattr(clean, name).view(torch.uint8), getattr(dirty, name).view(torch.uint8)), name
 
 
+def test_a_boolean_key_weight_broadcast_over_the_batch_quantises_as_its_float_copy():
+    # key_mask hands a boolean mask on as a view (no cast launch): the pre-pass reads True/False
+    # as 1/0, through the view's strides (batch stride 0 here).
+    k, v, _ = _inputs(seed=11)
+    keep = (torch.rand(1, k.shape[1], generator=torch.Generator().manual_seed(12)) > 0.4).to(DEVICE)
+    as_bool = keep.expand(k.shape[0], -1)
+    as_float = as_bool.float().contiguous()
+    from_bool = _prepass(k, v, as_bool, block_n=32, d_pad=64, n_programs_target=12)[0]
+    from_float = _prepass(k, v, as_float, block_n=32, d_pad=64, n_programs_target=12)[0]
+    for name in ("k_q", "k_scale", "v_t", "rowsum_weights", "workspace"):
+        assert torch.equal(getattr(from_bool, name).view(torch.uint8), getattr(from_float, name).view(torch.uint8)), name
+    assert from_bool.rowsum_weights[:, 0, : k.shape[1]].float().sum() == as_float.sum()
+
+
 def test_a_batch_row_with_every_key_masked_gives_zeros():
     k, v, weight = _inputs(seed=4)
     weight[1] = 0

@@ -57,6 +57,20 @@ def test_a_second_call_of_a_kind_reuses_its_preparation_and_gives_what_a_first_c
     assert second[0].shape == second_operands[0].shape and second[0].is_contiguous()
 
 
+def test_a_boolean_mask_reaches_the_op_as_a_view_of_itself():
+    # A cast to float would cost a launch and a copy on every masked call.
+    q = torch.randn(2, 40, 2, 32)
+    keep = torch.rand(1, 1, 1, 40) > 0.3
+    weight, bias = key_mask(keep, q, q)
+    assert bias is None and weight.dtype == torch.bool and weight.shape == (2, 40)
+    assert weight.data_ptr() == keep.data_ptr() and weight.stride(0) == 0
+    float_weight, _ = key_mask(torch.zeros(keep.shape).masked_fill(~keep, float("-inf")), q, q)
+    assert torch.equal(weight.float(), float_weight)
+    # A boolean and a float weight of one shape specialise the pre-pass differently: two kinds of call.
+    assert ops._call_key(q, q, q, weight, None, "NHD", CONFIG) != ops._call_key(q, q, q, float_weight.expand(2, 40),
+                                                                               None, "NHD", CONFIG)
+
+
 def test_every_property_a_preparation_depends_on_is_in_its_key():
     base = _operands(1)
     q, k, v, w, b = base
