@@ -16,8 +16,8 @@ import tempfile
 
 import pytest
 
-# The releases the kernels must compile on: torch 2.11's pin, torch 2.13's pin, the newest.
-RELEASES = ("3.6.0", "3.7.1", "3.9.0")
+# The releases the kernels must compile on: the pins of torch 2.11, 2.13 and 2.14, and the newest.
+RELEASES = ("3.6.0", "3.7.1", "3.8.0", "3.9.0")
 # Where copies go; FSATTN_TRITON_CACHE overrides (e.g. a CI cache folder).
 CACHE = os.environ.get("FSATTN_TRITON_CACHE") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fsattn-diffusers")
