@@ -66,10 +66,6 @@ SPLIT_BLOCK = 16
 # head-dim-64 shapes three measured 1.3-1.4x faster than two for the statistics and 0-16 % faster
 # for the packing; four and six were slower for the packing.
 LOOP_STAGES = 3
-# Experiment (NOTES v26): Q's programs ordered heads first, so that the programs in flight read
-# whole tokens (all heads' channels, contiguous in diffusers' layout) rather than one head's
-# channels of many tokens.
-Q_HEADS_FIRST = False
 # Warps per K/V pre-pass program; eight measured slower than four (fewer programs per SM).
 PREPASS_WARPS = 4
 # Rows of the packing loop's partial sum of V's rounding error (at most the keys per step).
@@ -277,21 +273,13 @@ def _quantize_q_kernel(
     seq_len, head_dim, n_heads, group, q_pad, sm_scale, n_split,
     stride_qb, stride_qs, stride_qh, stride_qd,
     BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
 ):
-    if HEADS_FIRST:
-        pid = tl.program_id(0) // n_heads
-        h = tl.program_id(0) % n_heads
-        b = tl.program_id(1).to(tl.int64)
-        n_batch = tl.num_programs(1)
-    else:
-        pid = tl.program_id(0)
-        h = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
-        n_batch = tl.num_programs(2)
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     n_kv_heads = n_heads // group
     bh_kv = b * n_kv_heads + h // group
-    n_bh = n_batch * n_kv_heads
+    n_bh = tl.num_programs(2) * n_kv_heads
     stats, _, v_err, _ = _workspace(ws_ptr, n_bh, n_split, D_PAD)
     cols = tl.arange(0, D_PAD)
     stat = stats + bh_kv * D_PAD + cols
@@ -366,10 +354,9 @@ class QPrepass:
         rows = bsz * heads * self.q_pad
         # Bytes of q_q, q_scale and q_dot_k_mean.
         self.buffer_bytes = (rows * d_pad, rows * 4, rows * 4)
-        grid = (heads * (self.q_pad // block_m), bsz) if Q_HEADS_FIRST else (self.q_pad // block_m, heads, bsz)
-        self._launch = BoundLaunch(_quantize_q_kernel, grid, BLOCK_M=block_m,
+        self._launch = BoundLaunch(_quantize_q_kernel, (self.q_pad // block_m, heads, bsz), BLOCK_M=block_m,
                                    D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER,
-                                   num_warps=q_warps(block_m, d_pad), HEADS_FIRST=Q_HEADS_FIRST)
+                                   num_warps=q_warps(block_m, d_pad))
 
     @property
     def direct(self) -> bool:
