@@ -93,14 +93,19 @@ def prepass_programs_target(d_pad: int) -> int:
     return (4 if prepass_max_registers(d_pad) <= 128 else 3) * H200_SMS
 
 
-def q_warps(block_m: int, d_pad: int) -> int:
-    """Warps of a Q quantisation program (one tile of `block_m` rows by `d_pad` channels).
+def q_tile(block_m: int, d_pad: int) -> tuple[int, int]:
+    """(rows, warps) of a Q quantisation program for a forward that takes `block_m` rows a program.
 
-    A 128 x 128 tile in 4 warps holds 128 fp32 values per thread (255 registers, two programs per
-    SM); 8 warps halve that: 456 -> 374 us at Wan2.1-14B 720p on an H200. Tiles of half that size
-    keep 4 warps (at head dim 64, 4 and 8 measured the same).
+    Rows are quantised independently, so the tile changes no output bit, only how many programs
+    share an SM: each loads its tile, reduces, then stores, with nothing overlapping inside it. At
+    padded head dim 128 on an H200, at Wan2.1-14B / 1.3B (NOTES v26 (b)): 32 rows in 4 warps 0.330
+    / 0.050 ms, against 0.364 / 0.055 for 128 rows in 8 warps and 0.366 / 0.056 for 64 in 4; 16
+    rows or fewer warps were slower. At head dim 64, as measured before: 4 warps, the forward's
+    rows.
     """
-    return 8 if block_m * d_pad >= 128 * 128 else 4
+    if d_pad >= 128:
+        return min(block_m, 32), 4
+    return block_m, 8 if block_m * d_pad >= 128 * 128 else 4
 
 
 _POS_INF = tl.constexpr(float("inf"))
@@ -354,9 +359,10 @@ class QPrepass:
         rows = bsz * heads * self.q_pad
         # Bytes of q_q, q_scale and q_dot_k_mean.
         self.buffer_bytes = (rows * d_pad, rows * 4, rows * 4)
-        self._launch = BoundLaunch(_quantize_q_kernel, (self.q_pad // block_m, heads, bsz), BLOCK_M=block_m,
+        rows, warps = q_tile(block_m, d_pad)
+        self._launch = BoundLaunch(_quantize_q_kernel, (self.q_pad // rows, heads, bsz), BLOCK_M=rows,
                                    D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER,
-                                   num_warps=q_warps(block_m, d_pad))
+                                   num_warps=warps)
 
     @property
     def direct(self) -> bool:

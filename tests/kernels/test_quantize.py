@@ -225,6 +225,23 @@ def test_grouped_query_heads_read_their_kv_head_and_correct_every_v_mean(poisone
     _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=True, v_dtype=FP8)
 
 
+def test_q_programs_of_fewer_rows_than_the_forward_write_every_padded_row_alike(poisoned, monkeypatch):
+    # At head dim 128 Q's pass runs 32-row programs for a forward of 128-row tiles (q_tile): the
+    # grid must still cover the whole padding, and a row's bytes must not depend on its program.
+    gen = torch.Generator().manual_seed(13)
+    k, v = (torch.randn(2, 90, 2, 128, generator=gen).to(DEVICE) for _ in range(2))
+    q = (torch.randn(2, 200, 4, 128, generator=gen) * 2).to(DEVICE)
+    assert quantize.q_tile(128, 128)[0] < 128
+    small = quantize_q(q, quantize_kv(k, v, None, block_n=32, d_pad=128), sm_scale=0.2, block_m=128)
+    monkeypatch.setattr(quantize, "q_tile", lambda block_m, d_pad: (block_m, 4))
+    quantize._q_prepass.cache_clear()
+    whole = quantize_q(q, quantize_kv(k, v, None, block_n=32, d_pad=128), sm_scale=0.2, block_m=128)
+    quantize._q_prepass.cache_clear()
+    assert small.q_q.shape[2] == 256  # padded to the forward's tiles, not the pass's
+    for name in ("q_q", "q_scale", "q_dot_k_mean"):
+        assert torch.equal(getattr(small, name).view(torch.uint8), getattr(whole, name).view(torch.uint8)), name
+
+
 def test_the_prepass_is_deterministic_and_quantize_q_may_run_twice():
     k, v, weight = _inputs(seed=7)
     runs = []
