@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-# The releases the kernels must compile on: the pins of torch 2.11, 2.13 and 2.14, and the newest.
+# The releases the kernels must compile on: the pins of torch 2.11, 2.13, 2.14 and 2.15 (the newest).
 RELEASES = ("3.6.0", "3.7.1", "3.8.0", "3.9.0")
 # Where copies go; FSATTN_TRITON_CACHE overrides (e.g. a CI cache folder).
 CACHE = os.environ.get("FSATTN_TRITON_CACHE") or os.path.join(
