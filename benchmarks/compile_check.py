@@ -171,15 +171,19 @@ def _attention_inputs(head_dim):
     return q, k, v, torch.empty_like(q), torch.empty(1, HEADS, SEQ_LEN)
 
 
-def build_triton(variant="default", tiles: LaunchConfig | None = None, head_dim=128, masked=False):
+def build_triton(variant="default", tiles: LaunchConfig | None = None, head_dim=128, masked=None):
     """The builds of one Triton-kernel call: quantize_kv's kernel, quantize_q's, the forward kernel.
 
-    `tiles` default to the launcher's sm_90 tiles for `head_dim`; `masked` adds a key-padding mask
-    (the key weights HunyuanVideo's text padding gives)."""
+    `tiles` default to the launcher's sm_90 tiles for `head_dim`; `masked` adds key weights of a
+    key-padding mask: ``"bool"`` (a boolean mask, read as it is) or ``"float"`` (a float mask's
+    0/1 weights); Triton builds the pre-pass once per pointer type."""
     v = VARIANTS[variant]
     tiles = tiles or default_launch_config(SM90, head_dim)
     q, k, val, out, lse = _attention_inputs(head_dim)
-    key_weight = (torch.arange(SEQ_LEN) < SEQ_LEN - 100).float()[None] if masked else None
+    key_weight = None
+    if masked is not None:
+        key_weight = (torch.arange(SEQ_LEN) < SEQ_LEN - 100)[None]
+        key_weight = key_weight.float() if masked == "float" else key_weight
     with sm90_builds() as builds:
         kv = quantize.quantize_kv(k, val, key_weight, block_n=tiles.block_n, d_pad=padded_head_dim(head_dim),
                                   k_per_token=v["k_per_token"], v_dtype=v["v_dtype"])
@@ -203,15 +207,18 @@ def build_gluon(tiles: LaunchConfig | None = None, head_dim=128):
     return builds
 
 
-def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_N, speculative=None):
+def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_N, speculative=None,
+                   bool_mask=False):
     """The builds of one warp-specialised Gluon-kernel call (kernels/fsattn_fwd_gluon_ws.py); the
-    defaults are the op's."""
+    defaults are the op's. `bool_mask`: with a boolean key-padding mask (HunyuanVideo's calls)."""
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
 
     q, k, v, out, lse = _attention_inputs(head_dim)
     options = {} if speculative is None else {"speculative": bool(speculative)}
+    key_weight = (torch.arange(SEQ_LEN) < SEQ_LEN - 100)[None] if bool_mask else None
     with sm90_builds() as builds:
-        kv = quantize.quantize_kv(k, v, block_n=block_n, d_pad=padded_head_dim(head_dim), pv_key_order="wgmma")
+        kv = quantize.quantize_kv(k, v, key_weight, block_n=block_n, d_pad=padded_head_dim(head_dim),
+                                  pv_key_order="wgmma")
         wk.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=head_dim ** -0.5, num_stages=stages, **options)
     return builds
 
@@ -236,12 +243,14 @@ def matrix_entries():
     for head_dim in (128, 64):
         entries += [(f"triton {name} d{head_dim}", functools.partial(build_triton, name, head_dim=head_dim))
                     for name in VARIANTS]
-    entries.append(("triton default d128 masked", functools.partial(build_triton, masked=True)))
+    entries.append(("triton default d128 masked", functools.partial(build_triton, masked="float")))
+    entries.append(("triton default d128 boolean mask", functools.partial(build_triton, masked="bool")))
     for head_dim in (128, 64):
         entries.append((f"gluon d{head_dim}", functools.partial(build_gluon, head_dim=head_dim)))
         entries += [(f"gluon_ws d{head_dim} n{block_n}", functools.partial(build_gluon_ws, head_dim=head_dim,
                                                                             block_n=block_n))
                     for block_n in (128, 64)]
+    entries.append(("gluon_ws d128 n128 boolean mask", functools.partial(build_gluon_ws, bool_mask=True)))
     entries += [(f"gelu_fp8 n{n_cols}", functools.partial(build_gelu_fp8, n_cols)) for n_cols in (8960, 12288, 13824)]
     return entries
 

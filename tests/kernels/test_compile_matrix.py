@@ -78,7 +78,7 @@ def test_the_saturation_vote_has_named_barriers_of_its_own(version):
             if "error" not in r and r["key"].split(" / ")[1] == "_fsattn_fwd_gluon_ws_kernel"]
     assert rows, f"Triton {version}: no warp-specialised build in the matrix"
     for r in rows:
-        head_dim, block_n = (int(x) for x in re.match(r"gluon_ws d(\d+) n(\d+) /", r["key"]).groups())
+        head_dim, block_n = (int(x) for x in re.match(r"gluon_ws d(\d+) n(\d+)\b", r["key"]).groups())
         consumers = gluon_ws_consumers(block_n, padded_head_dim(head_dim))
         assert r["vote_barriers"] == list(range(first, first + consumers)), (r["key"], r["vote_barriers"])
         # Triton's own: the partitions' (0 and 2 up) at least, or the regex no longer reads the PTX.

@@ -66,9 +66,12 @@ def test_a_boolean_mask_reaches_the_op_as_a_view_of_itself():
     assert weight.data_ptr() == keep.data_ptr() and weight.stride(0) == 0
     float_weight, _ = key_mask(torch.zeros(keep.shape).masked_fill(~keep, float("-inf")), q, q)
     assert torch.equal(weight.float(), float_weight)
-    # A boolean and a float weight of one shape specialise the pre-pass differently: two kinds of call.
-    assert ops._call_key(q, q, q, weight, None, "NHD", CONFIG) != ops._call_key(q, q, q, float_weight.expand(2, 40),
-                                                                               None, "NHD", CONFIG)
+    # A boolean and a float weight of one shape and strides specialise the pre-pass differently:
+    # two kinds of call.
+    same_strides = keep.reshape(1, 40).float().expand(2, 40)
+    assert same_strides.stride() == weight.stride()
+    assert ops._call_key(q, q, q, weight, None, "NHD", CONFIG) != ops._call_key(q, q, q, same_strides, None, "NHD",
+                                                                               CONFIG)
 
 
 def test_every_property_a_preparation_depends_on_is_in_its_key():
