@@ -171,6 +171,12 @@ def _attention_inputs(head_dim):
     return q, k, v, torch.empty_like(q), torch.empty(1, HEADS, SEQ_LEN)
 
 
+def _padding_weights():
+    """Boolean key weights (1, SEQ_LEN) of a key-padding mask: the last 100 keys masked, as text
+    padding gives."""
+    return (torch.arange(SEQ_LEN) < SEQ_LEN - 100)[None]
+
+
 def build_triton(variant="default", tiles: LaunchConfig | None = None, head_dim=128, masked=None):
     """The builds of one Triton-kernel call: quantize_kv's kernel, quantize_q's, the forward kernel.
 
@@ -180,10 +186,9 @@ def build_triton(variant="default", tiles: LaunchConfig | None = None, head_dim=
     v = VARIANTS[variant]
     tiles = tiles or default_launch_config(SM90, head_dim)
     q, k, val, out, lse = _attention_inputs(head_dim)
-    key_weight = None
-    if masked is not None:
-        key_weight = (torch.arange(SEQ_LEN) < SEQ_LEN - 100)[None]
-        key_weight = key_weight.float() if masked == "float" else key_weight
+    key_weight = None if masked is None else _padding_weights()
+    if masked == "float":
+        key_weight = key_weight.float()
     with sm90_builds() as builds:
         kv = quantize.quantize_kv(k, val, key_weight, block_n=tiles.block_n, d_pad=padded_head_dim(head_dim),
                                   k_per_token=v["k_per_token"], v_dtype=v["v_dtype"])
@@ -215,7 +220,7 @@ def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_
 
     q, k, v, out, lse = _attention_inputs(head_dim)
     options = {} if speculative is None else {"speculative": bool(speculative)}
-    key_weight = (torch.arange(SEQ_LEN) < SEQ_LEN - 100)[None] if bool_mask else None
+    key_weight = _padding_weights() if bool_mask else None
     with sm90_builds() as builds:
         kv = quantize.quantize_kv(k, v, key_weight, block_n=block_n, d_pad=padded_head_dim(head_dim),
                                   pv_key_order="wgmma")

@@ -144,7 +144,8 @@ class GluonOperands:
                  block_m, q_tile_rows):
         bsz, seq_q, n_q_heads, head_dim = q_shape
         _, n_kv_heads, s_pad, d_pad = kq_shape
-        # Programs of 3 x 64 rows pad Q to 192 rows, quantised 64 at a time (a Triton block is a power of two).
+        # Programs of 3 x 64 rows pad Q to 192 rows; Q's pass takes at most 64 rows a program (a Triton
+        # block is a power of two), fewer where quantize.q_tile says.
         pow2 = block_m & (block_m - 1) == 0
         self._q = QPrepass(q_shape, q_stride, n_kv_heads, d_pad, n_split, block_m if pow2 else q_tile_rows, block_m)
         q_pad = self._q.q_pad

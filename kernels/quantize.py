@@ -359,8 +359,8 @@ class QPrepass:
         rows = bsz * heads * self.q_pad
         # Bytes of q_q, q_scale and q_dot_k_mean.
         self.buffer_bytes = (rows * d_pad, rows * 4, rows * 4)
-        rows, warps = q_tile(block_m, d_pad)
-        self._launch = BoundLaunch(_quantize_q_kernel, (self.q_pad // rows, heads, bsz), BLOCK_M=rows,
+        tile_rows, warps = q_tile(block_m, d_pad)
+        self._launch = BoundLaunch(_quantize_q_kernel, (self.q_pad // tile_rows, heads, bsz), BLOCK_M=tile_rows,
                                    D_PAD=d_pad, SPLIT_BLOCK=SPLIT_BLOCK, SOFT_ROUND=IN_INTERPRETER,
                                    num_warps=warps)
 
