@@ -82,13 +82,24 @@ def plan_for(config: FSAttnConfig, target, head_dim: int, has_bias: bool, dtype:
     """The plan of a call (cached). `target`: a CUDA compute capability ``(major, minor)``,
     :data:`INTERPRETER` or :data:`EMULATION`; `has_bias`: whether a float mask adds a bias;
     `seq_k`: the call's key count (None: a call with many keys)."""
-    few_keys = seq_k is not None and seq_k <= TRITON_MAX_KEYS
-    return _plan(config.to_json(), target, padded_head_dim(head_dim), has_bias, dtype, few_keys)
+    return _plan(config.to_json(), target, padded_head_dim(head_dim), has_bias, dtype, _key_tiles_class(seq_k))
+
+
+def _key_tiles_class(seq_k: int | None) -> int:
+    """What the plan needs of a key count: the number of 128-key tiles while every one fits the
+    resident-keys kernel's shared memory, else 0 (more keys) or -1 (more than
+    :data:`TRITON_MAX_KEYS`)."""
+    from .kernels.configs import GLUON_RESIDENT_MAX_TILES
+
+    if seq_k is None or seq_k > TRITON_MAX_KEYS:
+        return -1
+    tiles = -(-seq_k // 128)
+    return tiles if 0 < tiles <= GLUON_RESIDENT_MAX_TILES else 0
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dtype, few_keys: bool) -> LaunchPlan:
-    from .kernels.configs import GLUON_WS_BLOCK_N, GLUON_WS_STAGES, INTERPRETER_TILES
+def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dtype, key_tiles: int) -> LaunchPlan:
+    from .kernels.configs import GLUON_RESIDENT_WARPS, GLUON_WS_BLOCK_N, GLUON_WS_STAGES, INTERPRETER_TILES
     from .kernels.configs import default_launch_config
 
     config = FSAttnConfig.from_json(config_json)
@@ -110,6 +121,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
         rowsum_mma=config.rowsum == "mma", max_threshold=float(config.max_threshold))
     if target in (INTERPRETER, EMULATION) or tuple(target) != (9, 0):
         return plan  # the Gluon kernels are written for Hopper's wgmma and TMA
+    few_keys = key_tiles >= 0
     wanted = config.kernel
     if wanted == "auto":
         # The warp-specialised kernel measured 25-36 % faster than the Triton kernel on the H200 at
@@ -123,6 +135,12 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
             from .kernels.configs import GLUON_WS_ROWS, gluon_ws_consumers
 
             return _dataclass_replace(ws, block_m=GLUON_WS_ROWS * gluon_ws_consumers(ws.block_n, d_pad))
+    if wanted == "gluon_resident":
+        warps = config.num_warps or GLUON_RESIDENT_WARPS
+        resident = _dataclass_replace(plan, kernel="gluon_resident", num_warps=warps, block_m=16 * warps)
+        if (_gluon_resident_covers(resident, has_bias, config, key_tiles)
+                and gluon_available("fsattn_fwd_gluon_resident")):
+            return resident
     if wanted == "gluon" and _gluon_covers(plan, has_bias) and gluon_available("fsattn_fwd_gluon"):
         return _dataclass_replace(plan, kernel="gluon")
     return plan
@@ -141,6 +159,13 @@ def _gluon_ws_covers(plan: LaunchPlan, has_bias: bool, config: FSAttnConfig) -> 
     return (_default_numerics(plan, has_bias) and plan.block_n in GLUON_WS_MAX_STAGES
             and (config.block_m or GLUON_WS_ROWS) == GLUON_WS_ROWS and plan.num_warps == 4
             and 2 <= plan.num_stages <= GLUON_WS_MAX_STAGES[plan.block_n])
+
+
+def _gluon_resident_covers(plan: LaunchPlan, has_bias: bool, config: FSAttnConfig, key_tiles: int) -> bool:
+    # Every key tile in shared memory: 128-key tiles at head dim 128, at most
+    # GLUON_RESIDENT_MAX_TILES of them (key_tiles is 0 or -1 beyond); one or two warpgroups.
+    return (_default_numerics(plan, has_bias) and key_tiles > 0 and plan.d_pad == 128 and plan.block_n == 128
+            and plan.num_warps in (4, 8) and config.block_m in (None, plan.block_m))
 
 
 def _gluon_covers(plan: LaunchPlan, has_bias: bool) -> bool:
