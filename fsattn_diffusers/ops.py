@@ -234,7 +234,7 @@ def _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, 
             if plan.kernel == "gluon_ws":
                 forward = module.prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, num_stages=plan.num_stages)
             elif plan.kernel == "gluon_resident":
-                forward = module.prepare_fsattn_fwd_gluon_resident(q, kv, out, lse, num_warps=plan.num_warps)
+                forward = module.prepare_fsattn_fwd_gluon_resident(q, kv, out, lse)
             else:
                 forward = module.prepare_fsattn_fwd_gluon(q, kv, out, lse, block_m=plan.block_m,
                                                           num_warps=plan.num_warps, num_stages=plan.num_stages)

@@ -99,7 +99,7 @@ def _key_tiles_class(seq_k: int | None) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dtype, key_tiles: int) -> LaunchPlan:
-    from .kernels.configs import GLUON_RESIDENT_WARPS, GLUON_WS_BLOCK_N, GLUON_WS_STAGES, INTERPRETER_TILES
+    from .kernels.configs import GLUON_RESIDENT_ROWS, GLUON_WS_BLOCK_N, GLUON_WS_STAGES, INTERPRETER_TILES
     from .kernels.configs import default_launch_config
 
     config = FSAttnConfig.from_json(config_json)
@@ -136,8 +136,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
 
             return _dataclass_replace(ws, block_m=GLUON_WS_ROWS * gluon_ws_consumers(ws.block_n, d_pad))
     if wanted == "gluon_resident":
-        warps = config.num_warps or GLUON_RESIDENT_WARPS
-        resident = _dataclass_replace(plan, kernel="gluon_resident", num_warps=warps, block_m=16 * warps)
+        resident = _dataclass_replace(plan, kernel="gluon_resident", block_m=GLUON_RESIDENT_ROWS)
         if (_gluon_resident_covers(resident, has_bias, config, key_tiles)
                 and gluon_available("fsattn_fwd_gluon_resident")):
             return resident
@@ -163,9 +162,9 @@ def _gluon_ws_covers(plan: LaunchPlan, has_bias: bool, config: FSAttnConfig) -> 
 
 def _gluon_resident_covers(plan: LaunchPlan, has_bias: bool, config: FSAttnConfig, key_tiles: int) -> bool:
     # Every key tile in shared memory: 128-key tiles at head dim 128, at most
-    # GLUON_RESIDENT_MAX_TILES of them (key_tiles is 0 or -1 beyond); one or two warpgroups.
+    # GLUON_RESIDENT_MAX_TILES of them (key_tiles is 0 or -1 beyond); 4 warps a partition.
     return (_default_numerics(plan, has_bias) and key_tiles > 0 and plan.d_pad == 128 and plan.block_n == 128
-            and plan.num_warps in (4, 8) and config.block_m in (None, plan.block_m))
+            and plan.num_warps == 4 and config.block_m in (None, plan.block_m))
 
 
 def _gluon_covers(plan: LaunchPlan, has_bias: bool) -> bool:

@@ -11,8 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from fsattn_diffusers import FSAttnConfig, fsattn
 
 SHAPES = {"wan13b_cross": (1, 32760, 512, 12), "wan14b_cross": (1, 75600, 512, 40)}
-CONFIGS = {"triton": FSAttnConfig(kernel="triton"), "res8": FSAttnConfig(kernel="gluon_resident"),
-           "res4": FSAttnConfig(kernel="gluon_resident", num_warps=4)}
+CONFIGS = {"triton": FSAttnConfig(kernel="triton"), "resident": FSAttnConfig(kernel="gluon_resident")}
 
 
 def main():

@@ -51,24 +51,24 @@ def test_auto_runs_calls_with_few_keys_on_the_triton_kernel_at_head_dim_128(gluo
     assert asked.kernel == "gluon_ws"
 
 
-@pytest.mark.parametrize("seq_k, head_dim, config, kernel, warps", [
-    (512, 128, FSAttnConfig(kernel="gluon_resident"), "gluon_resident", 8),
-    (1, 120, FSAttnConfig(kernel="gluon_resident"), "gluon_resident", 8),  # padded to head dim 128
-    (384, 128, FSAttnConfig(kernel="gluon_resident", num_warps=4), "gluon_resident", 4),
-    (513, 128, FSAttnConfig(kernel="gluon_resident"), "triton", 4),  # a fifth key tile: the auto choice
-    (None, 128, FSAttnConfig(kernel="gluon_resident"), "triton", 4),
-    (512, 64, FSAttnConfig(kernel="gluon_resident"), "triton", 4),
-    (512, 128, FSAttnConfig(kernel="gluon_resident", block_n=64), "triton", 4),
-    (512, 128, FSAttnConfig(kernel="gluon_resident", block_m=64), "triton", 4),  # 8 warps take 128 rows
-    (512, 128, FSAttnConfig(kernel="gluon_resident", num_warps=2), "triton", 2),
-    (512, 128, FSAttnConfig(kernel="gluon_resident", pv_format="16bit"), "triton", 4),
+@pytest.mark.parametrize("seq_k, head_dim, config, kernel", [
+    (512, 128, FSAttnConfig(kernel="gluon_resident"), "gluon_resident"),
+    (1, 120, FSAttnConfig(kernel="gluon_resident"), "gluon_resident"),  # padded to head dim 128
+    (384, 128, FSAttnConfig(kernel="gluon_resident", block_m=128, num_warps=4), "gluon_resident"),
+    (513, 128, FSAttnConfig(kernel="gluon_resident"), "triton"),  # a fifth key tile: the auto choice
+    (None, 128, FSAttnConfig(kernel="gluon_resident"), "triton"),
+    (512, 64, FSAttnConfig(kernel="gluon_resident"), "triton"),
+    (512, 128, FSAttnConfig(kernel="gluon_resident", block_n=64), "triton"),
+    (512, 128, FSAttnConfig(kernel="gluon_resident", block_m=64), "triton"),  # two warpgroups take 128 rows
+    (512, 128, FSAttnConfig(kernel="gluon_resident", num_warps=8), "triton"),
+    (512, 128, FSAttnConfig(kernel="gluon_resident", pv_format="16bit"), "triton"),
 ])
 def test_the_resident_keys_kernel_takes_calls_whose_key_tiles_all_fit(gluon_importable, seq_k, head_dim, config,
-                                                                       kernel, warps):
+                                                                       kernel):
     plan = planning.plan_for(config, HOPPER, head_dim, False, torch.bfloat16, seq_k)
-    assert (plan.kernel, plan.num_warps) == (kernel, warps)
+    assert plan.kernel == kernel
     if kernel == "gluon_resident":
-        assert plan.block_m == 16 * warps and plan.block_n == 128 and plan.pv_key_order == "natural"
+        assert plan.block_m == 128 and plan.block_n == 128 and plan.pv_key_order == "natural"
     assert planning.plan_for(config, HOPPER, head_dim, True, torch.bfloat16, seq_k).kernel == "triton"  # float mask
 
 
