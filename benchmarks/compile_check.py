@@ -228,16 +228,17 @@ def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_
     return builds
 
 
-def build_gluon_resident(head_dim=128, keys=512):
-    """The builds of one resident-keys Gluon-kernel call (kernels/fsattn_fwd_gluon_resident.py)
+def build_gluon_persistent(head_dim=128, keys=512, speculative=False):
+    """The builds of one persistent warp-specialised call (kernels/fsattn_fwd_gluon_persistent.py)
     with `keys` keys (cross-attention to text)."""
-    from fsattn_diffusers.kernels import fsattn_fwd_gluon_resident as rk
+    from fsattn_diffusers.kernels import fsattn_fwd_gluon_persistent as pk
 
     q, _, _, out, lse = _attention_inputs(head_dim)
     k, v = (torch.randn(1, keys, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
     with sm90_builds() as builds:
-        kv = quantize.quantize_kv(k, v, block_n=128, d_pad=padded_head_dim(head_dim))
-        rk.fsattn_fwd_gluon_resident(q, kv, out, lse, sm_scale=head_dim ** -0.5)
+        kv = quantize.quantize_kv(k, v, block_n=GLUON_WS_BLOCK_N, d_pad=padded_head_dim(head_dim),
+                                  pv_key_order="wgmma")
+        pk.fsattn_fwd_gluon_persistent(q, kv, out, lse, sm_scale=head_dim ** -0.5, speculative=speculative)
     return builds
 
 
@@ -254,7 +255,7 @@ def matrix_entries():
     """(name, build function) for each call the op makes on sm_90, at the configs it runs: the
     Triton kernel's variants at the launcher's tiles, the Gluon kernel at the same tiles, the
     warp-specialised kernel at its stages with 128- and 64-key tiles, each at head dims 128 and 64;
-    the resident-keys kernel at 512 and 128 keys; and the recipe's
+    its persistent form at 512 keys (online and speculative max); and the recipe's
     feed-forward pass at the hidden widths of Wan2.1-1.3B, HunyuanVideo /
     CogVideoX and Wan2.1-14B. The quantisation kernels are compiled by the calls that launch them.
     A new kernel or configuration is one more entry here."""
@@ -270,7 +271,9 @@ def matrix_entries():
                                                                             block_n=block_n))
                     for block_n in (128, 64)]
     entries.append(("gluon_ws d128 n128 boolean mask", functools.partial(build_gluon_ws, bool_mask=True)))
-    entries += [(f"gluon_resident d128 k{keys}", functools.partial(build_gluon_resident, keys=keys)) for keys in (512, 128)]
+    entries += [(f"gluon_persistent d{head_dim} k512{' speculative' if spec else ''}",
+                 functools.partial(build_gluon_persistent, head_dim=head_dim, speculative=spec))
+                for head_dim in (128, 64) for spec in (False, True)]
     entries += [(f"gelu_fp8 n{n_cols}", functools.partial(build_gelu_fp8, n_cols)) for n_cols in (8960, 12288, 13824)]
     return entries
 

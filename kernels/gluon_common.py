@@ -55,20 +55,6 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
     `first_row` (of the sequence; `q_row` in the quantised Q buffers) on; P was 2^(x - m + P_OFFSET)."""
     ROWS: gl.constexpr = acc.shape[0]
     D_PAD: gl.constexpr = acc.shape[1]
-    rd = gl.arange(0, D_PAD, layout=gl.SliceLayout(0, acc.type.layout))
-    v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
-    v_mean = gl.load(v_mean_ptr + bh_kv * D_PAD + rd)
-    qkm = gl.load(qkm_ptr + q_row + gl.arange(0, ROWS, layout=l_acc.type.layout))
-    _store_outputs(acc, l_acc, m, qkm, v_scale, v_mean, out_ptr, lse_ptr, first_row, bh_q, b, h, seq_q, head_dim,
-                   stride_ob, stride_os, stride_oh, P_OFFSET)
-
-
-@gluon.jit
-def _store_outputs(acc, l_acc, m, qkm, v_scale, v_mean, out_ptr, lse_ptr, first_row, bh_q, b, h, seq_q, head_dim,
-                   stride_ob, stride_os, stride_oh, P_OFFSET: gl.constexpr):
-    """:func:`_epilogue` with its per-row q . k_mean (`qkm`) and its head's V scale and mean at hand."""
-    ROWS: gl.constexpr = acc.shape[0]
-    D_PAD: gl.constexpr = acc.shape[1]
     o_layout: gl.constexpr = acc.type.layout
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_layout: gl.constexpr = l_acc.type.layout
@@ -77,6 +63,8 @@ def _store_outputs(acc, l_acc, m, qkm, v_scale, v_mean, out_ptr, lse_ptr, first_
     attended = l_o > 0.0
     inv_l = gl.where(attended, 1.0 / gl.where(attended, l_o, 1.0), 0.0)
     rd = gl.arange(0, D_PAD, layout=o_cols_layout)
+    v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
+    v_mean = gl.load(v_mean_ptr + bh_kv * D_PAD + rd)
     o = (acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(v_scale, 0)
          + gl.expand_dims(gl.where(attended, 1.0, 0.0), 1) * gl.expand_dims(v_mean, 0))
     rows = first_row + gl.arange(0, ROWS, layout=o_row_layout)
@@ -85,7 +73,8 @@ def _store_outputs(acc, l_acc, m, qkm, v_scale, v_mean, out_ptr, lse_ptr, first_
             + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
     gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     att_r = l_acc > 0.0
-    lse = gl.where(att_r, (m - P_OFFSET + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2 + qkm, float("-inf"))
+    lse = gl.where(att_r, (m - P_OFFSET + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2
+                   + gl.load(qkm_ptr + q_row + gl.arange(0, ROWS, layout=row_layout)), float("-inf"))
     lse_rows = first_row + gl.arange(0, ROWS, layout=row_layout)
     gl.store(lse_ptr + bh_q.to(gl.int64) * seq_q + lse_rows, lse, mask=lse_rows < seq_q)
 

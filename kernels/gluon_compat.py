@@ -10,14 +10,11 @@ spelling.
   memory that completes on ``barrier``. Triton 3.6 and 3.7 call it
   ``tma.async_copy_global_to_shared``; 3.9 renamed it ``tma.async_load`` and left the old name
   raising an error.
-- ``cta_barrier()``: every thread of the program waits for every other (``bar.sync``). Triton 3.6
-  calls it ``gl.thread_barrier``; 3.7 renamed it ``gl.barrier``.
 
 A release with neither raises ImportError here, which the op takes as "no Gluon kernels" (the
 Triton kernel then runs every call).
 """
 
-from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 if hasattr(tma, "async_load"):
@@ -27,11 +24,4 @@ elif hasattr(tma, "async_copy_global_to_shared"):
 else:
     raise ImportError("this Triton's Gluon TMA has neither async_load (3.9) nor async_copy_global_to_shared (3.6, 3.7)")
 
-if hasattr(gl, "barrier"):
-    cta_barrier = gl.barrier
-elif hasattr(gl, "thread_barrier"):
-    cta_barrier = gl.thread_barrier
-else:
-    raise ImportError("this Triton's Gluon has neither barrier (3.7, 3.9) nor thread_barrier (3.6)")
-
-__all__ = ["cta_barrier", "tma_async_load"]
+__all__ = ["tma_async_load"]

@@ -6,12 +6,17 @@ import argparse
 import json
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from fsattn_diffusers import FSAttnConfig, fsattn
+from fsattn_diffusers import FSAttnConfig, fsattn, ops
+from fsattn_diffusers.kernels import configs as kernel_configs
 
 SHAPES = {"wan13b_cross": (1, 32760, 512, 12), "wan14b_cross": (1, 75600, 512, 40)}
-CONFIGS = {"triton": FSAttnConfig(kernel="triton"), "resident": FSAttnConfig(kernel="gluon_resident")}
+# name -> (config, the persistent kernel's speculative max)
+CONFIGS = {"triton": (FSAttnConfig(kernel="triton"), False), "gluon_ws": (FSAttnConfig(kernel="gluon_ws"), False),
+           "persistent_online": (FSAttnConfig(kernel="gluon_persistent"), False),
+           "persistent_speculative": (FSAttnConfig(kernel="gluon_persistent"), True)}
 
 
 def main():
@@ -23,7 +28,20 @@ def main():
     for shape_name, (b, sq, sk, h) in SHAPES.items():
         q = torch.randn(b, sq, h, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, sk, h, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        for name, cfg in CONFIGS.items():
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        for _ in range(3):
+            F.scaled_dot_product_attention(qt, kt, vt)
+        events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events[0].record()
+        for _ in range(args.calls):
+            F.scaled_dot_product_attention(qt, kt, vt)
+        events[1].record()
+        torch.cuda.synchronize()
+        results[f"{shape_name} sdpa"] = {"call_ms": round(events[0].elapsed_time(events[1]) / args.calls, 4)}
+        print(shape_name, "sdpa", json.dumps(results[f"{shape_name} sdpa"]))
+        for name, (cfg, speculative) in CONFIGS.items():
+            kernel_configs.GLUON_PERSISTENT_SPECULATIVE = speculative
+            ops._prepared_calls.clear()
             for _ in range(3):
                 fsattn(q, k, v, config=cfg)
             torch.cuda.synchronize()
@@ -31,7 +49,13 @@ def main():
                 for _ in range(args.calls):
                     fsattn(q, k, v, config=cfg)
                 torch.cuda.synchronize()
-            per_kernel = {}
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+            for _ in range(args.calls):
+                fsattn(q, k, v, config=cfg)
+            events[1].record()
+            torch.cuda.synchronize()
+            per_kernel = {"call_ms": round(events[0].elapsed_time(events[1]) / args.calls, 4)}
             for e in prof.key_averages():
                 if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "device_time_total", 0) > 0:
                     t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
