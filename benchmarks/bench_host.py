@@ -29,9 +29,8 @@ import torch
 from fsattn_diffusers import FSAttnConfig, fsattn
 
 # name -> (shape (B, S, H, D), mask kind, config fields)
-# At 256 keys "auto" runs the persistent warp-specialised kernel at head dim 128
-# (plan.PERSISTENT_MAX_KEYS): the warp-specialised kernel, which runs every longer call, and the
-# Triton kernel are timed by name.
+# At 256 keys "auto" runs the Triton kernel at head dim 128 (plan.TRITON_MAX_KEYS): the
+# warp-specialised kernel, which runs every longer call, is timed by name.
 CASES = {
     "d128": ((1, 256, 2, 128), None, {}),
     "d128_gluon_ws": ((1, 256, 2, 128), None, {"kernel": "gluon_ws"}),

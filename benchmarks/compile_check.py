@@ -228,20 +228,6 @@ def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_
     return builds
 
 
-def build_gluon_persistent(head_dim=128, keys=512, speculative=False):
-    """The builds of one persistent warp-specialised call (kernels/fsattn_fwd_gluon_persistent.py)
-    with `keys` keys (cross-attention to text)."""
-    from fsattn_diffusers.kernels import fsattn_fwd_gluon_persistent as pk
-
-    q, _, _, out, lse = _attention_inputs(head_dim)
-    k, v = (torch.randn(1, keys, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    with sm90_builds() as builds:
-        kv = quantize.quantize_kv(k, v, block_n=GLUON_WS_BLOCK_N, d_pad=padded_head_dim(head_dim),
-                                  pv_key_order="wgmma")
-        pk.fsattn_fwd_gluon_persistent(q, kv, out, lse, sm_scale=head_dim ** -0.5, speculative=speculative)
-    return builds
-
-
 def build_gelu_fp8(n_cols):
     """The build of the recipe's feed-forward pass (kernels/gelu_fp8.py) for rows of `n_cols`."""
     from fsattn_diffusers.kernels import gelu_fp8
@@ -255,8 +241,7 @@ def matrix_entries():
     """(name, build function) for each call the op makes on sm_90, at the configs it runs: the
     Triton kernel's variants at the launcher's tiles, the Gluon kernel at the same tiles, the
     warp-specialised kernel at its stages with 128- and 64-key tiles, each at head dims 128 and 64;
-    its persistent form at 512 keys (online and speculative max); and the recipe's
-    feed-forward pass at the hidden widths of Wan2.1-1.3B, HunyuanVideo /
+    and the recipe's feed-forward pass at the hidden widths of Wan2.1-1.3B, HunyuanVideo /
     CogVideoX and Wan2.1-14B. The quantisation kernels are compiled by the calls that launch them.
     A new kernel or configuration is one more entry here."""
     entries = []
@@ -271,9 +256,6 @@ def matrix_entries():
                                                                             block_n=block_n))
                     for block_n in (128, 64)]
     entries.append(("gluon_ws d128 n128 boolean mask", functools.partial(build_gluon_ws, bool_mask=True)))
-    entries += [(f"gluon_persistent d{head_dim} k512{' speculative' if spec else ''}",
-                 functools.partial(build_gluon_persistent, head_dim=head_dim, speculative=spec))
-                for head_dim in (128, 64) for spec in (False, True)]
     entries += [(f"gelu_fp8 n{n_cols}", functools.partial(build_gelu_fp8, n_cols)) for n_cols in (8960, 12288, 13824)]
     return entries
 

@@ -16,7 +16,7 @@ _CHOICES = {
     "on_violation": ("rescale", "recompute"),
     "rowsum": ("mma", "fma"),
     "pv_accum": ("fp32", "hw"),
-    "kernel": ("auto", "triton", "gluon", "gluon_ws", "gluon_persistent"),
+    "kernel": ("auto", "triton", "gluon", "gluon_ws"),
 }
 _EXP_OFFLOAD_SHARES = (0.0, 0.5, 1.0)
 _FIELD_TYPES = {

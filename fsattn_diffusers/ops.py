@@ -227,17 +227,12 @@ def _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, 
     out_in_layout, lse = _outputs(query, q)
     out = _as_bshd(out_in_layout, layout)
     q_tiles = q.shape[0] * q.shape[2] * -(-q.shape[1] // plan.block_m)
-    if plan.kernel in ("gluon_ws", "gluon", "gluon_persistent"):
+    if plan.kernel in ("gluon_ws", "gluon"):
         name = "fsattn_fwd_" + plan.kernel
         try:
             module = planning.gluon_module(name)
             if plan.kernel == "gluon_ws":
                 forward = module.prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, num_stages=plan.num_stages)
-            elif plan.kernel == "gluon_persistent":
-                from .kernels import configs as kernel_configs
-
-                forward = module.prepare_fsattn_fwd_gluon_persistent(
-                    q, kv, out, lse, num_stages=plan.num_stages, speculative=kernel_configs.GLUON_PERSISTENT_SPECULATIVE)
             else:
                 forward = module.prepare_fsattn_fwd_gluon(q, kv, out, lse, block_m=plan.block_m,
                                                           num_warps=plan.num_warps, num_stages=plan.num_stages)

@@ -1,7 +1,7 @@
 """The launch plan of an fsattn call: which kernel runs it, with which tiles and operand layouts.
 
 Every kernel decision lives here, made once per (config, target, head dim, mask kind, dtype, at
-most :data:`PERSISTENT_MAX_KEYS` keys or not) and cached: per call the op only looks its plan up. A
+most :data:`TRITON_MAX_KEYS` keys or not) and cached: per call the op only looks its plan up. A
 target is a CUDA device's compute capability, or the CPU paths: Triton's interpreter (the real
 kernels, tests) and the PyTorch emulation.
 """
@@ -26,14 +26,14 @@ _EXP_MODES = {0.0: EXP_MODE_SFU, 0.5: EXP_MODE_HALF, 1.0: EXP_MODE_BITS}
 # (cross-attention to text) that is most of the work, and the online softmax runs instead.
 MIN_TILES_FOR_FROZEN_MAX = 5
 
-# At most this many keys (cross-attention to text), `kernel="auto"` runs the persistent
-# warp-specialised kernel at padded head dim 128: with a few key tiles a program per query block
-# spends its life filling and draining its pipeline. Against a program per block, H200, Wan's
-# queries (32,760 x 12 heads / 75,600 x 40): the warp-specialised kernel 0.40 / 2.75 ms at 512
-# keys, the Triton kernel 0.30 / 2.05 (NOTES v18), the persistent one PERSISTENT_FIGURES (NOTES
-# v27). At 2,048 keys the Triton kernel was within 2.5 % of the warp-specialised one, from 4,096
-# on 10-23 % slower (v18). Not measured at head dim 64.
-PERSISTENT_MAX_KEYS = 1024
+# At most this many keys (cross-attention to text), `kernel="auto"` runs the Triton kernel at
+# padded head dim 128: with a few key tiles the warp-specialised kernel's pipeline never fills.
+# H200, Wan's queries (32,760 x 12 heads / 75,600 x 40): 512 keys 0.30 / 2.05 ms against 0.40 /
+# 2.75, 1,024 keys 0.44 / 3.17 against 0.52 / 3.68; at 2,048 the Triton kernel 2.5 % faster / 0.4 %
+# slower; from 4,096 on the warp-specialised kernel is 10-23 % faster (benchmarks/NOTES.md v18).
+# Made persistent (one program per SM over many query blocks), it tied the Triton kernel (v27 (c)).
+# Not measured at head dim 64.
+TRITON_MAX_KEYS = 1024
 
 INTERPRETER = "interpreter"
 EMULATION = "emulation"
@@ -83,7 +83,7 @@ def plan_for(config: FSAttnConfig, target, head_dim: int, has_bias: bool, dtype:
     """The plan of a call (cached). `target`: a CUDA compute capability ``(major, minor)``,
     :data:`INTERPRETER` or :data:`EMULATION`; `has_bias`: whether a float mask adds a bias;
     `seq_k`: the call's key count (None: a call with many keys)."""
-    few_keys = seq_k is not None and seq_k <= PERSISTENT_MAX_KEYS
+    few_keys = seq_k is not None and seq_k <= TRITON_MAX_KEYS
     return _plan(config.to_json(), target, padded_head_dim(head_dim), has_bias, dtype, few_keys)
 
 
@@ -116,14 +116,11 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
         # The warp-specialised kernel measured 25-36 % faster than the Triton kernel on the H200 at
         # head dim 128, and 13 % at 64 with three consumers and the K scales in the ring
         # (benchmarks/NOTES.md v11 (d), v14 (c)); at 32 it was never measured.
-        if few_keys and d_pad == 128:
-            wanted = "gluon_persistent"
-        else:
-            wanted = "gluon_ws" if d_pad in (64, 128) else "triton"
-    if wanted in ("gluon_ws", "gluon_persistent"):
-        ws = _dataclass_replace(plan, kernel=wanted, block_n=config.block_n or GLUON_WS_BLOCK_N,
+        wanted = "gluon_ws" if d_pad in (64, 128) and not (few_keys and d_pad == 128) else "triton"
+    if wanted == "gluon_ws":
+        ws = _dataclass_replace(plan, kernel="gluon_ws", block_n=config.block_n or GLUON_WS_BLOCK_N,
                                 num_stages=config.num_stages or GLUON_WS_STAGES, pv_key_order="wgmma")
-        if _gluon_ws_covers(ws, has_bias, config) and gluon_available("fsattn_fwd_" + wanted):
+        if _gluon_ws_covers(ws, has_bias, config) and gluon_available("fsattn_fwd_gluon_ws"):
             from .kernels.configs import GLUON_WS_ROWS, gluon_ws_consumers
 
             return _dataclass_replace(ws, block_m=GLUON_WS_ROWS * gluon_ws_consumers(ws.block_n, d_pad))

@@ -55,9 +55,6 @@ GLUON_WS_BLOCK_N = 128
 # 64 keys, ~34 KB at 128).
 GLUON_WS_ROWS = 64
 GLUON_WS_MAX_STAGES = {64: 8, 128: 4}
-# Whether the persistent warp-specialised kernel (calls with few keys) starts each key tile from the
-# running max of the tiles before it (the speculative max) or takes every tile's max (online).
-GLUON_PERSISTENT_SPECULATIVE = False
 # Where its consumers read each key tile's K scales: at padded head dims up to this the producer
 # brings them into the ring stage with K and V; above it, a global load issued a softmax ahead
 # (the ring measured 2 % faster at 64 and 2-7 % slower at 128; benchmarks/NOTES.md v14 (b)).

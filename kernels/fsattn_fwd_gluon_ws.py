@@ -73,28 +73,18 @@ PRODUCER_REGS = 24
 @gluon.jit
 def _producer(KS_IN_RING: gl.constexpr, q_desc, k_desc, vt_desc, w_desc, ks_desc, q_smem, k_smem, vt_smem, w_smem,
               ks_smem, q_bars, ready, empty, q_row, kv_row, vt_row, w_row, n_tiles):
+    # Sizes from the shared-memory shapes (constexpr; warp_specialize passes arguments as values).
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
     N_CONSUMERS: gl.constexpr = q_smem.shape[0]
     for c in gl.static_range(N_CONSUMERS):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
         tma_async_load(q_desc, [q_row + c * 64, 0], q_bars.index(c), q_smem.index(c))
-    _produce_key_tiles(KS_IN_RING, k_desc, vt_desc, w_desc, ks_desc, k_smem, vt_smem, w_smem, ks_smem, ready, empty,
-                       kv_row, vt_row, w_row, n_tiles, 0)
-
-
-@gluon.jit
-def _produce_key_tiles(KS_IN_RING: gl.constexpr, k_desc, vt_desc, w_desc, ks_desc, k_smem, vt_smem, w_smem, ks_smem,
-                       ready, empty, kv_row, vt_row, w_row, n_tiles, ring0):
-    """K, V^T and the row-sum weights (and the K scales, KS_IN_RING) of one head's `n_tiles` key
-    tiles through the ring, the first into ring slot `ring0` (the ring's tiles so far)."""
-    # Sizes from the shared-memory shapes (constexpr; warp_specialize passes arguments as values).
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
     for tile in range(n_tiles):
-        slot = ring0 + tile
-        stage = slot % STAGES
+        stage = tile % STAGES
         # A fresh mbarrier counts as having completed the phase before its first (parity 1), so
         # the first lap over the ring does not wait.
-        mbarrier.wait(empty.index(stage), ((slot // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(stage), ((tile // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         if KS_IN_RING:
             mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -343,36 +333,14 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
               ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
               q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
               N_CONSUMERS: gl.constexpr):
-    """Consumer warpgroup `c`: its 64 query rows against every key tile (:func:`_consume_key_tiles`)."""
-    ROWS: gl.constexpr = 64
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    my_row = q_row + c * ROWS
-    qs = gl.load(qs_ptr + my_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)))
-    mbarrier.wait(q_bars.index(c), 0)
-    if SPECULATIVE:
-        _declare_vote(c, n_tiles)
-    acc, l_acc, m = _consume_key_tiles(c, SPECULATIVE, KS_IN_RING, q_smem.index(c), k_smem, vt_smem, w_smem, ks_smem,
-                                       ready, empty, turn, qs, ks_ptr, kv_row, n_tiles, 0, 0, N_CONSUMERS)
-    _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
-              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, SPEC_OFFSET if SPECULATIVE else 8.0)
-
-
-@gluon.jit
-def _consume_key_tiles(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_tile, k_smem, vt_smem,
-                       w_smem, ks_smem, ready, empty, turn, qs, ks_ptr, kv_row, n_tiles, ring0, turns0,
-                       N_CONSUMERS: gl.constexpr):
-    """Consumer warpgroup `c`'s 64 query rows (`q_tile`, landed; `qs` their scales) against one
-    head's `n_tiles` key tiles, the first in ring slot `ring0`, `turns0` turns taken before;
-    returns (O, row sums, running max) for the epilogue.
+    """Consumer warpgroup `c`: 64 query rows against every key tile.
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
     its turn a warpgroup issues the row sum and PV of tile j, checks tile j's speculative P while
     they run (:func:`_corrected_if_saturated`), issues the score GEMM of tile j + 1, hands the
     turn to warpgroup c + 1, and waits for PV (the score GEMM stays in flight); its softmax of
     tile j + 1 then runs while the others' GEMMs do. With SPECULATIVE off, the Triton kernel's
-    online numerics (bit-close at its 128-key tiles). A warpgroup takes n_tiles + 1 turns.
+    online numerics (bit-close at its 128-key tiles).
     """
     ROWS: gl.constexpr = 64
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -391,23 +359,28 @@ def _consume_key_tiles(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: g
     # Warpgroup 0 takes the first turn: its first wait is on the parity a fresh mbarrier has done.
     FIRST: gl.constexpr = 1 if c == 0 else 0
 
+    my_row = q_row + c * ROWS
     cols = gl.arange(0, BLOCK_N, layout=col_layout)
+    qs = gl.load(qs_ptr + my_row + gl.arange(0, ROWS, layout=row_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.int32, layout=s_layout)
     l_zero = gl.zeros([ROWS, ROWSUM_N], gl.float32, layout=l_layout)
     acc = gl.zeros([ROWS, D_PAD], gl.float32, layout=o_layout)
     l_acc = gl.zeros([ROWS], gl.float32, layout=row_layout)
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    q_tile = q_smem.index(c)
+    mbarrier.wait(q_bars.index(c), 0)
+    if SPECULATIVE:
+        _declare_vote(c, n_tiles)
 
     if not KS_IN_RING:
         ks = gl.load(ks_ptr + kv_row + cols)
-    mbarrier.wait(ready.index(ring0 % STAGES), (ring0 // STAGES) & 1)
-    mbarrier.wait(turn.index(c), (turns0 & 1) ^ FIRST)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(ring0 % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(ready.index(0), 0)
+    mbarrier.wait(turn.index(c), FIRST)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     for tile in range(n_tiles - 1):
-        stage = (ring0 + tile) % STAGES
+        stage = tile % STAGES
         nxt = tile + 1
-        nxt_slot = ring0 + nxt
         if KS_IN_RING:  # this stage's ready wait was in the previous iteration (or before the loop)
             ks = ks_smem.index(stage).load(col_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
@@ -417,8 +390,8 @@ def _consume_key_tiles(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: g
             p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
         if not KS_IN_RING:
             ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
-        mbarrier.wait(ready.index(nxt_slot % STAGES), (nxt_slot // STAGES) & 1)
-        mbarrier.wait(turn.index(c), ((turns0 + nxt) & 1) ^ FIRST)
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                               use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
@@ -427,7 +400,7 @@ def _consume_key_tiles(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: g
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
                                                              ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING)
-        s_tok = warpgroup_mma(q_tile, k_smem.index(nxt_slot % STAGES).permute((1, 0)), s_zero, use_acc=False,
+        s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
         # Groups retire in order: with one left in flight, the row sum and PV are done.
@@ -436,7 +409,7 @@ def _consume_key_tiles(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: g
         l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
 
     last = n_tiles - 1
-    stage = (ring0 + last) % STAGES
+    stage = last % STAGES
     if KS_IN_RING:
         ks = ks_smem.index(stage).load(col_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
@@ -444,7 +417,7 @@ def _consume_key_tiles(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: g
         p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
     else:
         p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
-    mbarrier.wait(turn.index(c), ((turns0 + last + 1) & 1) ^ FIRST)
+    mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
@@ -457,7 +430,8 @@ def _consume_key_tiles(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: g
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
     l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
-    return acc, l_acc, m
+    _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
+              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, SPEC_OFFSET if SPECULATIVE else 8.0)
 
 
 @gluon.jit
@@ -535,13 +509,6 @@ def prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, *, num_stages=GLUON_WS_STAGES,
     """The checked, cached :class:`GluonWSForward` of :func:`fsattn_fwd_gluon_ws`'s arguments:
     its ``run(q, kv, out, lse, sm_scale)`` launches on any tensors of the same shapes, strides,
     dtypes, alignment and device (`kv` from :func:`~.quantize.quantize_kv`)."""
-    operands = checked_operands(q, kv, out, lse, num_stages)
-    return gluon_ws_forward(operands, kv.block_n, kv.k_q.shape[3], num_stages, bool(speculative))
-
-
-def checked_operands(q, kv, out, lse, num_stages) -> GluonOperands:
-    """The :class:`~.gluon_common.GluonOperands` of a call the warp-specialised kernels take
-    (ValueError for one they do not)."""
     if kv.block_n not in MAX_STAGES or not 2 <= num_stages <= MAX_STAGES[kv.block_n]:
         raise ValueError("the warp-specialised Gluon kernel takes 64-key tiles with 2-8 stages or 128-key tiles "
                          f"with 2-4 stages; got block_n={kv.block_n}, num_stages={num_stages}")
@@ -557,7 +524,8 @@ def checked_operands(q, kv, out, lse, num_stages) -> GluonOperands:
                          f"16-byte aligned; got {kv.k_scale.dtype}, shape {tuple(kv.k_scale.shape)}, strides "
                          f"{kv.k_scale.stride()}, address {kv.k_scale.data_ptr():#x}")
     consumers = gluon_ws_consumers(kv.block_n, d_pad)
-    return gluon_operands(q, kv, out, lse, block_m=consumers * CONSUMER_ROWS, q_tile_rows=CONSUMER_ROWS)
+    operands = gluon_operands(q, kv, out, lse, block_m=consumers * CONSUMER_ROWS, q_tile_rows=CONSUMER_ROWS)
+    return gluon_ws_forward(operands, kv.block_n, d_pad, num_stages, bool(speculative))
 
 
 @functools.lru_cache(maxsize=256)
@@ -570,20 +538,16 @@ def gluon_ws_forward(operands: GluonOperands, block_n: int, d_pad: int, num_stag
 class GluonWSForward:
     """Q's quantisation and the warp-specialised kernel's launch for one shape (its
     :class:`~.gluon_common.GluonOperands`), everything that depends only on shapes computed once:
-    ``run(q, kv, out, lse, sm_scale, stream=None)`` launches on operands :func:`fsattn_fwd_gluon_ws` accepts.
-    `kernel`, `grid` and `trailing_args` (after the operands' own) launch another kernel of the
-    same arguments (the persistent one, ``fsattn_fwd_gluon_persistent.py``)."""
+    ``run(q, kv, out, lse, sm_scale, stream=None)`` launches on operands :func:`fsattn_fwd_gluon_ws` accepts."""
 
-    def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, speculative: bool,
-                 kernel=None, grid=None, trailing_args=()):
+    def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, speculative: bool):
         consumers = gluon_ws_consumers(block_n, d_pad)
         self._operands = operands
         self.q_buffer_bytes = operands.q_buffer_bytes
         self._ks_in_ring = gluon_ws_ks_in_ring(d_pad)
         self._block_n = block_n
-        self._trailing_args = trailing_args
-        self._launch = BoundLaunch(kernel or _fsattn_fwd_gluon_ws_kernel, grid or operands.grid, BLOCK_N=block_n,
-                                   D_PAD=d_pad, STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
+        self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
+                                   STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
                                    PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
                                    KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
 
@@ -606,4 +570,4 @@ class GluonWSForward:
         # A TMA descriptor costs host time at every launch: only where the kernel reads it.
         ks_desc = (_descriptor(buffers.k_scale, (self._block_n,), gl.float32, (self._operands.k_scale_numel,), (1,))
                    if self._ks_in_ring else None)
-        self._launch(*args[:4], ks_desc, *args[4:], *self._trailing_args, stream=stream)
+        self._launch(*args[:4], ks_desc, *args[4:], stream=stream)

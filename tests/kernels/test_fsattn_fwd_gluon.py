@@ -214,14 +214,12 @@ def test_auto_runs_the_warp_specialised_kernel_at_head_dims_64_and_128_unless_fe
     for name, (module_name, launcher) in GLUON_KERNELS.items():
         _count_runs(monkeypatch, planning.gluon_module(module_name), launcher, counter(name))
     _count_runs(monkeypatch, fwd, "prepare_fsattn_fwd", counter("triton"))
-    _count_runs(monkeypatch, planning.gluon_module("fsattn_fwd_gluon_persistent"),
-                "prepare_fsattn_fwd_gluon_persistent", counter("gluon_persistent"))
     for head_dim in (128, 64, 32):
         q = torch.randn(1, 2048, 2, head_dim, device="cuda", dtype=torch.bfloat16)
         fsattn(q, q, q)
     assert calls == {"gluon_ws": 2, "triton": 1}
-    # Cross-attention to 512 keys at head dim 128: the persistent kernel (plan.PERSISTENT_MAX_KEYS).
+    # Cross-attention to 512 keys at head dim 128: the Triton kernel (plan.TRITON_MAX_KEYS).
     q = torch.randn(1, 2048, 2, 128, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, 512, 2, 128, device="cuda", dtype=torch.bfloat16)
     fsattn(q, kv, kv)
-    assert calls == {"gluon_ws": 2, "triton": 1, "gluon_persistent": 1}
+    assert calls == {"gluon_ws": 2, "triton": 2}

@@ -40,37 +40,18 @@ def test_auto_takes_the_warp_specialised_kernel_at_padded_head_dims_64_and_128(g
 
 
 @pytest.mark.parametrize("seq_k, head_dim, kernel", [
-    (512, 128, "gluon_persistent"), (1024, 128, "gluon_persistent"), (1025, 128, "gluon_ws"), (None, 128, "gluon_ws"),
+    (512, 128, "triton"), (1024, 128, "triton"), (1025, 128, "gluon_ws"), (None, 128, "gluon_ws"),
     (512, 64, "gluon_ws"),  # the few-key rule was measured at head dim 128 only
 ])
-def test_auto_runs_calls_with_few_keys_on_the_persistent_kernel_at_head_dim_128(gluon_importable, seq_k, head_dim,
-                                                                                 kernel):
-    assert planning.PERSISTENT_MAX_KEYS == 1024
+def test_auto_runs_calls_with_few_keys_on_the_triton_kernel_at_head_dim_128(gluon_importable, seq_k, head_dim, kernel):
+    assert planning.TRITON_MAX_KEYS == 1024
     assert planning.plan_for(FSAttnConfig(), HOPPER, head_dim, False, torch.bfloat16, seq_k).kernel == kernel
     # Asked for by name, the warp-specialised kernel takes few keys too.
     asked = planning.plan_for(FSAttnConfig(kernel="gluon_ws"), HOPPER, head_dim, False, torch.bfloat16, seq_k)
     assert asked.kernel == "gluon_ws"
 
 
-@pytest.mark.parametrize("seq_k, head_dim, config, kernel", [
-    (512, 128, FSAttnConfig(kernel="gluon_persistent"), "gluon_persistent"),
-    (None, 128, FSAttnConfig(kernel="gluon_persistent"), "gluon_persistent"),
-    (512, 64, FSAttnConfig(kernel="gluon_persistent"), "gluon_persistent"),
-    (512, 128, FSAttnConfig(kernel="gluon_persistent", block_n=32), "triton"),
-    (512, 128, FSAttnConfig(kernel="gluon_persistent", pv_format="16bit"), "triton"),
-    (512, 128, FSAttnConfig(kernel="gluon_persistent", num_stages=5), "triton"),
-])
-def test_the_persistent_kernel_covers_what_the_warp_specialised_one_does(gluon_importable, seq_k, head_dim, config,
-                                                                          kernel):
-    plan = planning.plan_for(config, HOPPER, head_dim, False, torch.bfloat16, seq_k)
-    assert plan.kernel == kernel
-    if kernel == "gluon_persistent":
-        ws = planning.plan_for(FSAttnConfig(kernel="gluon_ws"), HOPPER, head_dim, False, torch.bfloat16, seq_k)
-        assert plan == planning._dataclass_replace(ws, kernel="gluon_persistent")
-    assert planning.plan_for(config, HOPPER, head_dim, True, torch.bfloat16, seq_k).kernel == "triton"  # float mask
-
-
-@pytest.mark.parametrize("seq_q, seq_k, kernel", [(1100, 64, "gluon_persistent"), (64, 1100, "gluon_ws")])
+@pytest.mark.parametrize("seq_q, seq_k, kernel", [(1100, 64, "triton"), (64, 1100, "gluon_ws")])
 def test_the_op_plans_by_the_number_of_keys_not_of_queries(monkeypatch, gluon_importable, seq_q, seq_k, kernel):
     monkeypatch.setattr(ops, "target_of", lambda device: HOPPER)
     monkeypatch.setattr(ops, "CPU_PATH", "emulation")  # the emulation runs whatever the plan says
