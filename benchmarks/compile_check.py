@@ -183,6 +183,8 @@ def build_triton(variant="default", tiles: LaunchConfig | None = None, head_dim=
     `tiles` default to the launcher's sm_90 tiles for `head_dim`; `masked` adds key weights of a
     key-padding mask: ``"bool"`` (a boolean mask, read as it is) or ``"float"`` (a float mask's
     0/1 weights); Triton builds the pre-pass once per pointer type."""
+    if masked not in (None, "bool", "float"):
+        raise ValueError(f"masked={masked!r}: expected None, 'bool' or 'float'")
     v = VARIANTS[variant]
     tiles = tiles or default_launch_config(SM90, head_dim)
     q, k, val, out, lse = _attention_inputs(head_dim)
