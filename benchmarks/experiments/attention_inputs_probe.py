@@ -93,7 +93,8 @@ def speculative_votes(q, k, heads, row_blocks: int, thresholds, scale):
     """Fraction of (64-row block, 128-key tile) pairs after the first that a correction takes, per
     threshold (log2 units above the running max), for `row_blocks` blocks spread over the rows of
     each head in `heads`. The running max moves only at a corrected tile (the kernel takes no row max
-    otherwise) and then to the max of every tile so far for each row of the block."""
+    otherwise), and then for each row of the block to the larger of itself and that tile's max
+    (_corrected_if_saturated)."""
     b, h, s, d = q.shape
     n_tiles = math.ceil(k.shape[2] / 128)
     starts = torch.linspace(0, s // 64 - 1, row_blocks).long() * 64
@@ -113,14 +114,12 @@ def speculative_votes(q, k, heads, row_blocks: int, thresholds, scale):
         del scores
         for t in thresholds:
             m = tile_max[:, :, 0].clone()
-            seen = tile_max[:, :, 0].clone()
             corrected = 0
             for j in range(1, n_tiles):
                 tj = tile_max[:, :, j]
-                seen = torch.maximum(seen, tj)
                 vote = (tj > m + t).any(dim=1)  # (row_blocks,)
                 corrected += int(vote.sum())
-                m = torch.where(vote[:, None], seen, m)
+                m = torch.where(vote[:, None], torch.maximum(m, tj), m)
             out[str(t)].append(corrected / (row_blocks * (n_tiles - 1)))
     return {"corrected_fraction": out, "score_std_log2": score_std}
 
