@@ -160,8 +160,10 @@ def time_main(args):
 
     if args.offset is not None:  # before the kernel's first compile: Triton reads the global then
         ws.SPEC_OFFSET = gl.constexpr(float(args.offset))
+    if args.headroom is not None:
+        ws.CORRECTION_HEADROOM = gl.constexpr(float(args.headroom))
     device = torch.device("cuda")
-    report = {"offset": float(ws.SPEC_OFFSET.value), "torch": torch.__version__, "triton": triton.__version__,
+    report = {"offset": float(ws.SPEC_OFFSET.value), "headroom": float(ws.CORRECTION_HEADROOM.value), "torch": torch.__version__, "triton": triton.__version__,
               "gpu": torch.cuda.get_device_name(), "blocks": {}}
     gen = torch.Generator(device).manual_seed(0)
     for path in sorted(Path(args.dir).glob("block*.pt")):
@@ -197,7 +199,7 @@ def time_main(args):
         row["median_ms"] = {key: sorted(val)[len(val) // 2] for key, val in times.items()}
         row["clocks"] = clocks
         report["blocks"][path.stem] = row
-        print(path.stem, "offset", report["offset"], json.dumps({kk: row[kk] for kk in row if kk not in
+        print(path.stem, "offset", report["offset"], "headroom", report["headroom"], json.dumps({kk: row[kk] for kk in row if kk not in
                                                                  ("ms", "clocks")}), flush=True)
         del t, q, k, v, rq, rk, rv
         torch.cuda.empty_cache()
@@ -215,6 +217,7 @@ def main(argv=None):
     c.add_argument("--min-keys", type=int, default=4096, help="calls with more keys are self-attention")
     t = sub.add_parser("time", help="fsattn on the saved inputs and on randn ones, interleaved")
     t.add_argument("--offset", type=float, default=None, help="the speculative offset (default: the kernel's)")
+    t.add_argument("--headroom", type=float, default=None, help="a corrected tile's max raised by this (default 0)")
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--sdpa", action="store_true")
     for q in (c, t):
