@@ -91,7 +91,7 @@ def capture(transformer, loop, blocks: set[int], min_keys: int = 4096):
 
 def speculative_votes(q, k, heads, row_blocks: int, thresholds, scale):
     """Fraction of (64-row block, 128-key tile) pairs after the first that a correction takes, per
-    threshold (log2 units above the running max), for `row_blocks` blocks spread over the rows of
+    threshold (log2 units above the running max; or (threshold, headroom): CORRECTION_HEADROOM), for `row_blocks` blocks spread over the rows of
     each head in `heads`. The running max moves only at a corrected tile (the kernel takes no row max
     otherwise), and then for each row of the block to the larger of itself and that tile's max
     (_corrected_if_saturated)."""
@@ -113,13 +113,14 @@ def speculative_votes(q, k, heads, row_blocks: int, thresholds, scale):
         tile_max = scores.view(len(rows), n_tiles, 128).amax(-1).view(row_blocks, 64, n_tiles)
         del scores
         for t in thresholds:
-            m = tile_max[:, :, 0].clone()
+            threshold, headroom = t if isinstance(t, tuple) else (t, 0.0)
+            m = tile_max[:, :, 0] + headroom
             corrected = 0
             for j in range(1, n_tiles):
                 tj = tile_max[:, :, j]
-                vote = (tj > m + t).any(dim=1)  # (row_blocks,)
+                vote = (tj > m + threshold).any(dim=1)  # (row_blocks,)
                 corrected += int(vote.sum())
-                m = torch.where(vote[:, None], torch.maximum(m, tj), m)
+                m = torch.where(vote[:, None], torch.maximum(m, tj + headroom), m)
             out[str(t)].append(corrected / (row_blocks * (n_tiles - 1)))
     return {"corrected_fraction": out, "score_std_log2": score_std}
 
@@ -133,7 +134,8 @@ def capture_main(args):
     captured, n_self, forward_s = capture(transformer, loop, set(args.blocks), args.min_keys)
     del transformer
     report = {"model": args.model, "self_attention_calls": n_self, "default_forward_s": forward_s, "blocks": {}}
-    thresholds = [1.807, 2.807, 3.807, 4.807]  # offsets 7, 6 (the kernel's), 5, 4
+    # offsets 7, 6 (the kernel's), 5, 4; then offset 6 with a corrected tile's max raised 1 or 2
+    thresholds = [1.807, 2.807, 3.807, 4.807, (2.807, 1.0), (2.807, 2.0)]
     gen = torch.Generator(device).manual_seed(0)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     for block, (q, k, v) in sorted(captured.items()):
