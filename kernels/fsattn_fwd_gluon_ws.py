@@ -129,9 +129,6 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # crosses bytes).
 SPEC_OFFSET = gl.constexpr(6.0)
 SPECULATIVE_MAX = True
-# Experiment (attention_inputs_probe.py): a corrected tile's new max is raised this far above its
-# scores' max, so that the tiles after it have that much more headroom before the next correction.
-CORRECTION_HEADROOM = gl.constexpr(0.0)
 
 
 @gluon.jit
@@ -305,10 +302,7 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         ks = _key_scales(ks_stage, ks_tile_ptr, BLOCK_N, gl.SliceLayout(0, s_layout), KS_IN_RING)
         pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
-        if CORRECTION_HEADROOM != 0.0:
-            m_new = gl.maximum(m, gl.max(pre, 1) * qs + CORRECTION_HEADROOM)
-        else:
-            m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
         alpha = gl.exp2(m - m_new)
         # One elementwise expression, so that no two FP32 tiles are live at once (registers); its
         # P_spec takes _speculative_p8's instructions, so it is the P the GEMMs used.

@@ -91,7 +91,8 @@ def capture(transformer, loop, blocks: set[int], min_keys: int = 4096):
 
 def speculative_votes(q, k, heads, row_blocks: int, thresholds, scale):
     """Fraction of (64-row block, 128-key tile) pairs after the first that a correction takes, per
-    threshold (log2 units above the running max; or (threshold, headroom): CORRECTION_HEADROOM), for `row_blocks` blocks spread over the rows of
+    threshold (log2 units above the running max; a (threshold, headroom) pair raises a corrected
+    tile's new max by headroom, which votes as the threshold + headroom would), for `row_blocks` blocks spread over the rows of
     each head in `heads`. The running max moves only at a corrected tile (the kernel takes no row max
     otherwise), and then for each row of the block to the larger of itself and that tile's max
     (_corrected_if_saturated)."""
@@ -134,8 +135,7 @@ def capture_main(args):
     captured, n_self, forward_s = capture(transformer, loop, set(args.blocks), args.min_keys)
     del transformer
     report = {"model": args.model, "self_attention_calls": n_self, "default_forward_s": forward_s, "blocks": {}}
-    # offsets 7, 6 (the kernel's), 5, 4; then offset 6 with a corrected tile's max raised 1 or 2
-    thresholds = [1.807, 2.807, 3.807, 4.807, (2.807, 1.0), (2.807, 2.0)]
+    thresholds = [1.807, 2.807, 3.807, 4.807]  # offsets 7, 6 (the kernel's), 5, 4
     gen = torch.Generator(device).manual_seed(0)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     for block, (q, k, v) in sorted(captured.items()):
@@ -162,10 +162,8 @@ def time_main(args):
 
     if args.offset is not None:  # before the kernel's first compile: Triton reads the global then
         ws.SPEC_OFFSET = gl.constexpr(float(args.offset))
-    if args.headroom is not None:
-        ws.CORRECTION_HEADROOM = gl.constexpr(float(args.headroom))
     device = torch.device("cuda")
-    report = {"offset": float(ws.SPEC_OFFSET.value), "headroom": float(ws.CORRECTION_HEADROOM.value), "torch": torch.__version__, "triton": triton.__version__,
+    report = {"offset": float(ws.SPEC_OFFSET.value), "torch": torch.__version__, "triton": triton.__version__,
               "gpu": torch.cuda.get_device_name(), "blocks": {}}
     gen = torch.Generator(device).manual_seed(0)
     for path in sorted(Path(args.dir).glob("block*.pt")):
@@ -201,7 +199,7 @@ def time_main(args):
         row["median_ms"] = {key: sorted(val)[len(val) // 2] for key, val in times.items()}
         row["clocks"] = clocks
         report["blocks"][path.stem] = row
-        print(path.stem, "offset", report["offset"], "headroom", report["headroom"], json.dumps({kk: row[kk] for kk in row if kk not in
+        print(path.stem, "offset", report["offset"], json.dumps({kk: row[kk] for kk in row if kk not in
                                                                  ("ms", "clocks")}), flush=True)
         del t, q, k, v, rq, rk, rv
         torch.cuda.empty_cache()
@@ -219,7 +217,6 @@ def main(argv=None):
     c.add_argument("--min-keys", type=int, default=4096, help="calls with more keys are self-attention")
     t = sub.add_parser("time", help="fsattn on the saved inputs and on randn ones, interleaved")
     t.add_argument("--offset", type=float, default=None, help="the speculative offset (default: the kernel's)")
-    t.add_argument("--headroom", type=float, default=None, help="a corrected tile's max raised by this (default 0)")
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--sdpa", action="store_true")
     for q in (c, t):
