@@ -13,18 +13,20 @@ Rows (``--rows``, comma-separated; each an attention, then parts joined by ``+``
 =========================== ==============================================================
 ``default``                 the model as diffusers builds it (attention: ``--baseline-backend``)
 ``default+compile``         diffusers' regional compilation of the blocks
-``default+fuse+fp8+ffn+compile`` the recipe without fsattn: fused QKV, FP8 linear layers, fused
-                            feed-forward, compile
+``default+fuse+fp8+ffn+rope+compile`` the recipe without fsattn: fused QKV, FP8 linear layers,
+                            fused feed-forward, fused query/key norm and RoPE, compile
 ``fsattn``                  ``apply_fsattn``
 ``fsattn+compile``          fsattn, compiled
-``recipe``                  ``fsattn+fuse+fp8+ffn+compile``: ``fsattn_diffusers.apply_recipe`` as it
-                            defaults
+``recipe``                  ``fsattn+fuse+fp8+ffn+rope+compile``: ``fsattn_diffusers.apply_recipe``
+                            as it defaults
 =========================== ==============================================================
 
-Any other combination of ``fuse``, ``fp8`` (or ``fp8c``), ``ffn`` and ``compile`` after ``default``
-or ``fsattn`` works too (e.g. ``fsattn+fp8+ffn+compile`` isolates the QKV fusion;
-``fsattn+fuse+fp8+compile`` the feed-forward's one-kernel GELU + FP8 scaling (``ffn``: apply_recipe's
-``fuse_ffn``, needs ``fp8``); ``fsattn+fuse+fp8c+ffn+compile`` is the recipe with
+Any other combination of ``fuse``, ``fp8`` (or ``fp8c``), ``ffn``, ``rope`` and ``compile`` after
+``default`` or ``fsattn`` works too (e.g. ``fsattn+fp8+ffn+rope+compile`` isolates the QKV fusion;
+``fsattn+fuse+fp8+rope+compile`` the feed-forward's one-kernel GELU + FP8 scaling (``ffn``: apply_recipe's
+``fuse_ffn``, needs ``fp8``); ``fsattn+fuse+fp8+ffn+compile`` Wan's one-pass query/key norm and RoPE
+(``rope``: apply_recipe's ``fuse_norm_rope``; results files before 2026-12-03's v28 have no ``rope``
+part, and their ``recipe`` row ran without it); ``fsattn+fuse+fp8c+ffn+rope+compile`` is the recipe with
 ``fp8_conditioning=True``: the cross-attention's K/V and output projections / the text stream
 in FP8 as well).
 One model build serves every row. FP8 replaces the weights, so rows run in the order given except
@@ -78,10 +80,12 @@ from fsattn_diffusers import builtin_models, metrics
 
 MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "hunyuanvideo", "cogvideox-5b", "tiny", "tiny-hunyuanvideo",
           "tiny-cogvideox")
-DEFAULT_ROWS = ("default", "default+compile", "default+fuse+fp8+ffn+compile", "fsattn", "fsattn+compile", "recipe")
-ALIASES = {"recipe": "fsattn+fuse+fp8+ffn+compile"}
-# fp8c: fp8 with the conditioning's path (apply_recipe's fp8_conditioning); ffn: apply_recipe's fuse_ffn
-PARTS = ("fuse", "fp8", "fp8c", "ffn", "compile")
+DEFAULT_ROWS = ("default", "default+compile", "default+fuse+fp8+ffn+rope+compile", "fsattn", "fsattn+compile",
+                "recipe")
+ALIASES = {"recipe": "fsattn+fuse+fp8+ffn+rope+compile"}
+# fp8c: fp8 with the conditioning's path (apply_recipe's fp8_conditioning); ffn: apply_recipe's fuse_ffn;
+# rope: apply_recipe's fuse_norm_rope
+PARTS = ("fuse", "fp8", "fp8c", "ffn", "rope", "compile")
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: prompt embeddings are always padded to it
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -108,12 +112,13 @@ class Row:
     fp8: bool = False
     fp8_conditioning: bool = False
     ffn: bool = False
+    rope: bool = False
     compile: bool = False
 
     @property
     def recipe(self) -> bool:
         """Whether the row goes through apply_recipe (any part besides the attention)."""
-        return self.fuse or self.fp8 or self.compile
+        return self.fuse or self.fp8 or self.rope or self.compile
 
 
 def parse_row(text: str) -> Row:
@@ -127,12 +132,12 @@ def parse_row(text: str) -> Row:
             f"both; ffn only with one of them) joined by '+' (e.g. fsattn+fp8+compile), or an alias "
             f"({', '.join(ALIASES)})")
     return Row(text, tokens[0] == "fsattn", fuse="fuse" in parts, fp8=fp8, fp8_conditioning="fp8c" in parts,
-               ffn="ffn" in parts, compile="compile" in parts)
+               ffn="ffn" in parts, rope="rope" in parts, compile="compile" in parts)
 
 
 def _rows(text: str) -> tuple[Row, ...]:
     rows = tuple(parse_row(t.strip()) for t in text.split(",") if t.strip())
-    names = [(r.fsattn, r.fuse, r.fp8, r.fp8_conditioning, r.ffn, r.compile) for r in rows]
+    names = [(r.fsattn, r.fuse, r.fp8, r.fp8_conditioning, r.ffn, r.rope, r.compile) for r in rows]
     if not rows or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"--rows={text!r}: expected a comma-separated list of distinct rows")
     # FP8 replaces the weights: every bf16 row first, in the order given, then the FP8 rows, those
@@ -557,14 +562,14 @@ def set_up_row(row: Row, transformer, settings: Settings, default_backend: str) 
         fsattn_diffusers.apply_recipe(
             transformer, fsattn=row.fsattn, fsattn_options={"config": config} if row.fsattn else None,
             fuse_qkv=row.fuse, fp8_linear=row.fp8, fp8_conditioning=row.fp8_conditioning, fuse_ffn=row.ffn,
-            compile=row.compile, dynamic=settings.dynamic,
+            fuse_norm_rope=row.rope, compile=row.compile, dynamic=settings.dynamic,
             compile_options=options if row.compile else None)
     elif row.fsattn:
         fsattn_diffusers.apply_fsattn(transformer, config=config)
     attention = "fsattn" if row.fsattn else f"diffusers attention backend {backend!r}"
     fp8 = "FP8 linear, all of the cross-attention" if row.fp8_conditioning else "FP8 linear"
     parts = [p for p, on in (("fused QKV", row.fuse), (fp8, row.fp8), ("fused feed-forward", row.ffn),
-                                 ("compiled", row.compile)) if on]
+                                 ("fused norm and RoPE", row.rope), ("compiled", row.compile)) if on]
     return attention + (" + " + " + ".join(parts) if parts else "")
 
 

@@ -239,12 +239,26 @@ def build_gelu_fp8(n_cols):
     return builds
 
 
+def build_qk_norm_rope(heads, head_dim=128):
+    """The build of the recipe's query/key RMSNorm + RoPE pass (kernels/qk_norm_rope.py) for rows of
+    `heads` heads, the query and key as views of a fused QKV projection's output."""
+    from fsattn_diffusers.kernels import qk_norm_rope
+
+    n = heads * head_dim
+    qkv = torch.empty(1, 64, 3 * n, dtype=torch.bfloat16)
+    freqs = torch.empty(1, 64, 1, head_dim, dtype=torch.float32)
+    weight = torch.empty(n, dtype=torch.bfloat16)
+    with sm90_builds() as builds:
+        qk_norm_rope.qk_norm_rope(qkv[..., :n], qkv[..., n:2 * n], weight, weight, 1e-6, freqs, freqs, heads)
+    return builds
+
+
 def matrix_entries():
     """(name, build function) for each call the op makes on sm_90, at the configs it runs: the
     Triton kernel's variants at the launcher's tiles, the Gluon kernel at the same tiles, the
     warp-specialised kernel at its stages with 128- and 64-key tiles, each at head dims 128 and 64;
-    and the recipe's feed-forward pass at the hidden widths of Wan2.1-1.3B, HunyuanVideo /
-    CogVideoX and Wan2.1-14B. The quantisation kernels are compiled by the calls that launch them.
+    the recipe's feed-forward pass at the hidden widths of Wan2.1-1.3B, HunyuanVideo /
+    CogVideoX and Wan2.1-14B, and its query/key norm + RoPE pass at Wan2.1-1.3B's and 14B's heads. The quantisation kernels are compiled by the calls that launch them.
     A new kernel or configuration is one more entry here."""
     entries = []
     for head_dim in (128, 64):
@@ -259,6 +273,7 @@ def matrix_entries():
                     for block_n in (128, 64)]
     entries.append(("gluon_ws d128 n128 boolean mask", functools.partial(build_gluon_ws, bool_mask=True)))
     entries += [(f"gelu_fp8 n{n_cols}", functools.partial(build_gelu_fp8, n_cols)) for n_cols in (8960, 12288, 13824)]
+    entries += [(f"qk_norm_rope h{heads}", functools.partial(build_qk_norm_rope, heads)) for heads in (12, 40)]
     return entries
 
 

@@ -314,26 +314,28 @@ def test_a_second_process_reuses_the_first_ones_compiled_artefacts(tmp_path):
 # ----------------------------------------------------------------------------- rows and arguments
 
 @pytest.mark.parametrize("text, parts", [
-    ("default", (False, False, False, False, False, False)),
-    ("default+fuse+fp8+ffn+compile", (False, True, True, False, True, True)),
-    ("recipe", (True, True, True, False, True, True)),
-    ("fsattn+fuse+fp8+compile", (True, True, True, False, False, True)),
-    ("fsattn+compile+fp8", (True, False, True, False, False, True)),
-    ("fsattn+fuse+fp8c+compile", (True, True, True, True, False, True)),
+    ("default", (False, False, False, False, False, False, False)),
+    ("default+fuse+fp8+ffn+rope+compile", (False, True, True, False, True, True, True)),
+    ("recipe", (True, True, True, False, True, True, True)),
+    ("fsattn+fuse+fp8+compile", (True, True, True, False, False, False, True)),
+    ("fsattn+compile+fp8", (True, False, True, False, False, False, True)),
+    ("fsattn+fuse+fp8c+compile", (True, True, True, True, False, False, True)),
+    ("fsattn+rope", (True, False, False, False, False, True, False)),
 ])
 def test_rows_parse_into_attention_and_parts(bench, text, parts):
     row = bench.parse_row(text)
-    assert row.name == text and (row.fsattn, row.fuse, row.fp8, row.fp8_conditioning, row.ffn, row.compile) == parts
+    assert row.name == text and (row.fsattn, row.fuse, row.fp8, row.fp8_conditioning, row.ffn, row.rope,
+                                 row.compile) == parts
 
 
 def test_default_rows_put_the_reference_first_and_fp8_last_or_leave_fp8_out(bench, capsys):
     rows = [r.name for r in bench._rows(",".join(bench.DEFAULT_ROWS))]
-    assert rows == ["default", "default+compile", "fsattn", "fsattn+compile", "default+fuse+fp8+ffn+compile",
+    assert rows == ["default", "default+compile", "fsattn", "fsattn+compile", "default+fuse+fp8+ffn+rope+compile",
                     "recipe"]
     parser = bench.build_parser()
     settings, _, _, _ = bench.resolve_settings(parser, parser.parse_args(SMALL))  # on the CPU: no FP8
     assert settings.rows == ["default", "default+compile", "fsattn", "fsattn+compile"]
-    assert "default rows ['default+fuse+fp8+ffn+compile', 'recipe'] are left out: the transformer runs on cpu" in (
+    assert "default rows ['default+fuse+fp8+ffn+rope+compile', 'recipe'] are left out: the transformer runs on cpu" in (
         capsys.readouterr().err)
 
 
@@ -343,7 +345,7 @@ def test_default_rows_put_the_reference_first_and_fp8_last_or_leave_fp8_out(benc
     (["--rows", "sdpa"], "row 'sdpa': expected 'default' or 'fsattn'"),
     (["--rows", "fsattn+fast"], "row 'fsattn+fast'"),
     (["--rows", "fsattn,fsattn"], "expected a comma-separated list of distinct rows"),
-    (["--rows", "recipe,fsattn+fuse+fp8+ffn+compile"], "distinct rows"),
+    (["--rows", "recipe,fsattn+fuse+fp8+ffn+rope+compile"], "distinct rows"),
     (["--rows", "fsattn+ffn+compile"], "ffn only with one of them"),
     (["--model", "wan2.2"], "invalid choice: 'wan2.2'"),
     (["--steps", "0"], "expected an integer >= 1, got '0'"),
