@@ -14,7 +14,8 @@ pipeline (``DiffusionPipeline.from_pretrained``). At the end it
 prints the time per step and in total, the attention backend, fsattn's speculative-max
 fallbacks, the peak GPU memory and where the video went. ab_compare.py reuses these functions.
 
-The recipe's parts (``fsattn_diffusers.apply_recipe``) are flags: ``--fuse-qkv``, ``--fp8-linear``
+The recipe's parts (``fsattn_diffusers.apply_recipe``) are flags: ``--fuse-qkv`` (with Wan's
+one-pass query/key norm and RoPE), ``--fp8-linear``
 (torchao float8 linear layers, with apply_recipe's fused GELU feed-forward; a CUDA GPU of
 compute capability 8.9+ and bf16;
 ``--fp8-conditioning`` puts the rest of the cross-attention in FP8 too), ``--compile``
@@ -110,7 +111,8 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
                         help="regional torch.compile of the transformer blocks (fullgraph=True; the first step "
                              "compiles)")
     parser.add_argument("--fuse-qkv", action="store_true",
-                        help="one GEMM for the Q, K, V projections where the model family offers it")
+                        help="one GEMM for the Q, K, V projections where the model family offers it, and (Wan) the "
+                             "self-attention's query/key norm and RoPE in one kernel")
     parser.add_argument("--fp8-linear", action="store_true",
                         help="the blocks' linear layers in FP8 e4m3, per-row scales (torchao; bf16 model, CUDA GPU of "
                              "compute capability 8.9+), the GELU feed-forwards' activation and FP8 scaling in one kernel; "
@@ -438,8 +440,8 @@ def set_up(loaded: LoadedModel, backend: str, config: FSAttnConfig | None, skip:
     fsattn = backend == "fsattn"
     fsattn_diffusers.apply_recipe(
         loaded.pipe, fsattn=fsattn, fsattn_options=dict(config=config, **skip) if fsattn else None,
-        fuse_qkv=parts.fuse_qkv, fp8_linear=parts.fp8_linear, fp8_conditioning=parts.fp8_conditioning,
-        compile=parts.compile, dynamic=parts.dynamic,
+        fuse_qkv=parts.fuse_qkv, fuse_norm_rope=parts.fuse_qkv, fp8_linear=parts.fp8_linear,
+        fp8_conditioning=parts.fp8_conditioning, compile=parts.compile, dynamic=parts.dynamic,
         compile_options={"backend": parts.compile_backend} if parts.compile else None)
     if fsattn:
         return f"fsattn ({describe_config(config)}{describe_skips(skip)})"
