@@ -15,8 +15,13 @@ routes as it routes diffusers' own processor).
 A module is given the processor only where it runs diffusers' ``WanAttnProcessor`` as a
 self-attention (no image or text keys of its own) with RMSNorm query/key norms that have a weight
 and an explicit ``eps``; at each call, other arguments (no rotary embedding, norms changed since)
-take the processor's PyTorch code, and a call with ``encoder_hidden_states`` takes
-``WanAttnProcessor`` itself.
+take the processor's PyTorch code, and a call with ``encoder_hidden_states`` (which diffusers never
+makes to a self-attention) takes ``WanAttnProcessor`` itself, outside fsattn.
+
+The processor's self-attention path is a copy of ``WanAttnProcessor.__call__``'s as diffusers
+0.36-0.42 write it (projections, norms, rotation, ``dispatch_attention_fn`` with the processor's
+backend and parallel config, output projection); a later diffusers that changes that path is not
+detected here: the CPU tests compare the two processors' outputs bit for bit on the installed one.
 """
 
 from __future__ import annotations
@@ -162,11 +167,22 @@ def fuse_norm_rope(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object
     return changed
 
 
+# What diffusers sets on a module's processor after the recipe (``enable_parallelism``,
+# ``set_attention_backend``): carried back to the processor put back, or each rank of a
+# context-parallel run would attend over its own tokens only.
+_CARRIED_BACK = ("_parallel_config", "_attention_backend")
+
+
 def unfuse_norm_rope(changed: list[tuple[torch.nn.Module, object]]) -> None:
-    """Put back the processors :func:`fuse_norm_rope` replaced (where one is still in place)."""
+    """Put back the processors :func:`fuse_norm_rope` replaced (where one is still in place), with the
+    parallel config and attention backend set on the fused one since."""
     cls = processor_class()
     for module, processor in changed:
-        if cls is not None and isinstance(getattr(module, "processor", None), cls):
+        current = getattr(module, "processor", None)
+        if cls is not None and isinstance(current, cls):
+            for name in _CARRIED_BACK:
+                if hasattr(current, name) and hasattr(processor, name):
+                    setattr(processor, name, getattr(current, name))
             _set_processor(module, processor)
 
 

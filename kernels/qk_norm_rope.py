@@ -3,9 +3,10 @@
 Video DiTs such as Wan normalise each token's query (and key) row of all heads together, scale it
 by a learned weight, then rotate each head's consecutive channel pairs (2i, 2i + 1) by per-token
 angles. Compiled, that is a looped reduction that reads the row again for the rotation (3.1 ms a
-Wan2.1-14B block, ~1 TB/s; benchmarks/NOTES.md v17 (e)). Here one program holds a token's row in
-registers (its heads as at most two power-of-two chunks), so the row is read once and written once:
-0.87 ms at that shape (NOTES v28 (d)). The rounding follows eager PyTorch: the normalised, weighted
+Wan2.1-14B block inside the recipe, ~1 TB/s, benchmarks/NOTES.md v17 (e); 2.9 ms standalone). Here
+one program takes a token's row (its heads as at most two power-of-two chunks): it loads the row
+for the sum of squares and again for the rotation, the second load from cache (a 10 KB row), and
+writes it once: 0.87 ms at that shape, ~3.5 TB/s of DRAM traffic (NOTES v28 (d)). The rounding follows eager PyTorch: the normalised, weighted
 row is rounded to the input's dtype (``rms_norm``'s output); with float32 angles the rotation runs
 in float32 and is rounded once, with angles in the input's dtype each product and sum is rounded.
 """
@@ -105,7 +106,9 @@ def unsupported_reason(query, key, weight_q, weight_k, freqs_cos, freqs_sin, hea
             return f"{name} must be a contiguous ({query.shape[-1]},) tensor"
     seq = query.shape[1]
     for name, f in (("freqs_cos", freqs_cos), ("freqs_sin", freqs_sin)):
-        if f.dtype not in (torch.float32, query.dtype) or f.numel() != seq * d or f.shape[-1] != d or f.stride(-1) != 1:
+        if f.dim() != 4 or tuple(f.shape) != (1, seq, 1, d):
+            return f"{name} must be (1, {seq}, 1, {d}) (one row of angles per token), got {tuple(f.shape)}"
+        if f.dtype not in (torch.float32, query.dtype) or f.stride(-1) != 1:
             return (f"{name} must be float32 or {query.dtype} with one row of {d} per token, got {tuple(f.shape)} "
                     f"{f.dtype}")
     if freqs_cos.dtype != freqs_sin.dtype:

@@ -134,3 +134,23 @@ def test_a_call_with_text_keys_takes_diffusers_processor():
         fused = attn.processor(attn, x, text)
         own = _wan_processor()()(attn, x, text)
     assert torch.equal(fused, own)
+
+
+@pytest.mark.parametrize("with_fsattn", [False, True])
+def test_removal_carries_back_what_diffusers_set_after_the_recipe(with_fsattn):
+    # enable_parallelism() / set_attention_backend() after apply_recipe set these on the processors
+    # then in place; the processors put back must keep them, or a context-parallel rank would attend
+    # over its own tokens only.
+    model, _ = BUILDERS["wan_t2v"]()
+    originals = {p: m.processor for p, m in attention_modules(model)}
+    apply_recipe(model, **{**PARTS_OFF, "fsattn": with_fsattn})
+    config = object()
+    for _, m in attention_modules(model):
+        m.processor._parallel_config = config
+        m.processor._attention_backend = "native"
+    remove_recipe(model)
+    for path, m in attention_modules(model):
+        assert m.processor is originals[path]
+        assert m.processor._parallel_config is config, path
+        if not with_fsattn:  # remove_fsattn carries back the parallel config only (patch.remove_fsattn)
+            assert m.processor._attention_backend == "native", path

@@ -109,6 +109,7 @@ def test_float16_and_a_different_eps():
     (lambda a: {**a, "query": a["query"][:, :2]}, "(B, S, H*D) of one shape"),
     (lambda a: {**a, "weight_q": a["weight_q"][:-1]}, "weight_q must be a contiguous"),
     (lambda a: {**a, "freqs_cos": a["freqs_cos"].double()}, "freqs_cos must be float32 or torch.bfloat16"),
+    (lambda a: {**a, "freqs_cos": a["freqs_cos"].reshape(3, 128)}, "freqs_cos must be (1, 3, 1, 128)"),
     (lambda a: {**a, "freqs_sin": a["freqs_sin"].bfloat16()}, "freqs_cos is torch.float32 and freqs_sin torch.bfloat16"),
     (lambda a: {**a, "heads": 4}, "head dim 96 is not a power of two"),
 ])
