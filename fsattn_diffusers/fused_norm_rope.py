@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-from . import families, ops
+from . import families, fused_ffn, ops, patch
 
 logger = logging.getLogger("fsattn_diffusers")
 
@@ -70,7 +70,7 @@ def qk_norm_rope(query: torch.Tensor, key: torch.Tensor, weight_q: torch.Tensor,
 
         if kernel.unsupported_reason(query, key, weight_q, weight_k, freqs_cos, freqs_sin, heads) is None:
             with ops.on_device_of(query):
-                return kernel.qk_norm_rope(query, key, weight_q, weight_k, eps, freqs_cos, freqs_sin, heads)
+                return kernel.launch(query, key, weight_q, weight_k, eps, freqs_cos, freqs_sin, heads)
     q, k = norm_rope_torch(query, key, weight_q, weight_k, eps, freqs_cos, freqs_sin, heads)
     return q.contiguous(), k.contiguous()
 
@@ -90,8 +90,7 @@ def _fusable_norms(attn) -> bool:
         return False
     if any(n.weight is None or n.eps is None or len(n.normalized_shape) != 1 for n in norms):
         return False
-    if any(n._forward_hooks or n._forward_pre_hooks or hasattr(n, "_hf_hook") or hasattr(n, "_diffusers_hook")
-           for n in norms):
+    if any(fused_ffn._hooked(n) for n in norms):  # hooks the op would not call
         return False
     return norms[0].eps == norms[1].eps
 
@@ -159,7 +158,7 @@ def fuse_norm_rope(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object
             continue
         fused = copy.copy(processor)
         fused.__class__ = cls
-        _set_processor(module, fused)
+        patch._set_processor(module, fused)
         changed.append((module, processor))
     if changed:
         logger.info("apply_recipe: %s: %d self-attention modules with the query/key norm and RoPE fused",
@@ -183,11 +182,4 @@ def unfuse_norm_rope(changed: list[tuple[torch.nn.Module, object]]) -> None:
             for name in _CARRIED_BACK:
                 if hasattr(current, name) and hasattr(processor, name):
                     setattr(processor, name, getattr(current, name))
-            _set_processor(module, processor)
-
-
-def _set_processor(module, processor) -> None:
-    if hasattr(module, "set_processor"):
-        module.set_processor(processor)
-    else:
-        module.processor = processor
+            patch._set_processor(module, processor)

@@ -173,7 +173,7 @@ _COMPILE_KEYWORDS = frozenset(inspect.signature(torch.compile).parameters) - {"m
 
 
 def _check_options(fsattn, fsattn_options, fuse_qkv, fp8_linear, fp8_conditioning, fuse_ffn, keep_original_weights,
-                   compile, dynamic, compile_options, fuse_norm_rope=False) -> dict:
+                   compile, dynamic, compile_options, fuse_norm_rope) -> dict:
     for name, value in (("fsattn", fsattn), ("fuse_qkv", fuse_qkv), ("fp8_linear", fp8_linear),
                         ("fp8_conditioning", fp8_conditioning), ("fuse_ffn", fuse_ffn),
                         ("fuse_norm_rope", fuse_norm_rope),

@@ -124,20 +124,25 @@ _LAUNCH = Relaunch(_qk_norm_rope_kernel)
 def qk_norm_rope(query, key, weight_q, weight_k, eps: float, freqs_cos, freqs_sin, heads: int):
     """RMSNorm of each (B, S) row of `query` and `key` over all its channels, times the weights,
     then each head's channel pairs rotated by the token's angles. Returns the rotated (B, S, H, D)
-    query and key (new contiguous tensors). `freqs_cos` / `freqs_sin` hold one float32 row of D per
-    token (Wan's ``(1, S, 1, D)``, each angle's cosine at channels 2i and 2i + 1), float32 or the
-    query's dtype (a model cast with ``.to(dtype)`` casts its rotary buffers too), rounded as
-    eager PyTorch rounds either."""
+    query and key (new contiguous tensors). `freqs_cos` / `freqs_sin` are Wan's ``(1, S, 1, D)``
+    angles (each pair's cosine at channels 2i and 2i + 1), float32 or the query's dtype (a model
+    cast with ``.to(dtype)`` casts its rotary buffers too), rounded as eager PyTorch rounds either.
+    Raises ValueError naming what :func:`unsupported_reason` finds wrong."""
     reason = unsupported_reason(query, key, weight_q, weight_k, freqs_cos, freqs_sin, heads)
     if reason is not None:
         raise ValueError(f"qk_norm_rope: {reason}")
+    return launch(query, key, weight_q, weight_k, eps, freqs_cos, freqs_sin, heads)
+
+
+def launch(query, key, weight_q, weight_k, eps: float, freqs_cos, freqs_sin, heads: int):
+    """:func:`qk_norm_rope` for arguments :func:`unsupported_reason` has accepted (not checked again)."""
     b, s, n = query.shape
     d = n // heads
     h0, h1 = head_chunks(heads)
     q_out = torch.empty(b, s, heads, d, dtype=query.dtype, device=query.device)
     k_out = torch.empty_like(q_out)
     cos, sin = freqs_cos.reshape(s, d), freqs_sin.reshape(s, d)
-    if cos.stride(0) != sin.stride(0):
+    if cos.stride(0) != sin.stride(0):  # the kernel takes one row stride for both
         sin = sin.contiguous()
         cos = cos.contiguous()
     # Two warps for rows of up to 16 heads of 128, four above (NOTES v28 (d): 0.148 against 0.206
