@@ -6,8 +6,8 @@
     python benchmarks/compile_check.py --gluon-ws --tiles 4,128,64   # warp-specialised: stages,D_PAD[,BLOCK_N]
     python benchmarks/compile_check.py --matrix [--json]      # every kernel the op launches, at the configs it runs
 
-Every kernel is compiled through its own launcher (kernels/*.py), called with CPU tensors of a
-model-like shape: inside `sm90_builds` a launch compiles for sm_90a instead of running, with
+Every kernel is compiled through its own launcher (fsattn_diffusers/kernels/*.py), called with CPU
+tensors of a model-like shape: inside `sm90_builds` a launch compiles for sm_90a instead of running, with
 Triton's own argument specialisation, ptxas and ptxas flags, so each build is the one an H100 or
 H200 would run, and a parameter or kernel added to a launcher needs no change here. Registers and
 spills are ptxas's report of that build. Costs no device time: compile errors, spills and missing

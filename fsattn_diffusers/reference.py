@@ -1,7 +1,8 @@
 """The float64 reference of attention, and a PyTorch emulation of the fsattn kernel's numerics.
 
-The emulation mirrors ``kernels/`` step by step (same quantisation, same frozen-max sampling,
-thresholds and fallback granularity, same exponential, same FP8 formats) so that:
+The emulation mirrors the kernels (``fsattn_diffusers/kernels/``) step by step (same
+quantisation, same frozen-max sampling, thresholds and fallback granularity, same exponential,
+same FP8 formats) so that:
 
 * ``fsattn`` on CPU tensors runs it: examples and tests exercise the real numerics anywhere;
 * GPU tests check that the Triton kernel and this emulation agree closely.
@@ -22,7 +23,7 @@ from .plan import MIN_TILES_FOR_FROZEN_MAX
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 FP8_MAX = 448.0
-EXP_KAPPA = 0.3431  # kernels/fsattn_fwd.py: the bit-level exponential's quadratic correction
+EXP_KAPPA = 0.3431  # fsattn_diffusers/kernels/fsattn_fwd.py: the bit-level exponential's quadratic correction
 # Query rows whose scores are materialised at once (per batch and head), to bound memory.
 _ROWS_PER_CHUNK = 1024
 
@@ -119,7 +120,7 @@ def _quantize_k(k, key_weight, config, block_n):
 def _pack_v(v, key_weight, config, low):
     """V as the PV product sees it (FP8 per channel, optionally centred, or 16-bit as is), its
     per-channel scale, and the mean the epilogue adds back, less the mean rounding error of V
-    over the attended keys (kernels/quantize.py says why)."""
+    over the attended keys (fsattn_diffusers/kernels/quantize.py says why)."""
     keep = key_weight[:, None, :, None] != 0
     zeros = torch.zeros_like(v[:, :, 0])
     if config.pv_format != "fp8_e4m3":

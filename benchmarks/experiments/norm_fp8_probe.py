@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.gelu_fp8 import row_parts  # noqa: E402
-from kernels.lowp import IN_INTERPRETER, to_low_precision  # noqa: E402
+from fsattn_diffusers.kernels.gelu_fp8 import row_parts  # noqa: E402
+from fsattn_diffusers.kernels.lowp import IN_INTERPRETER, to_low_precision  # noqa: E402
 
 SHAPES = {  # rows, width, output features of the QKV and feed-forward up projections
     "wan14b": (75600, 5120, (15360, 13824)),

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow  # 45-65 s of compiling per release on one core
 
 
 def _kernels_in_sources():
-    """(file, name) of every @triton.jit / @gluon.jit kernel (a ``_..._kernel``) in kernels/."""
+    """(file, name) of every @triton.jit / @gluon.jit kernel (a ``_..._kernel``) in fsattn_diffusers/kernels/."""
     found = []
-    folder = os.path.join(ROOT, "kernels")
+    folder = os.path.join(ROOT, "fsattn_diffusers", "kernels")
     for name in sorted(os.listdir(folder)):
         if name.endswith(".py"):
             with open(os.path.join(folder, name)) as f:
@@ -63,7 +63,7 @@ def test_every_kernel_compiles_for_sm90_without_new_spills(version):
     assert not grew, f"Triton {version}: spills grew:\n" + "\n".join(grew)
 
     compiled = {r["key"].split(" / ")[-1] for r in rows}
-    missing = [f"{k} (kernels/{file})" for file, k in _kernels_in_sources() if k not in compiled]
+    missing = [f"{k} (fsattn_diffusers/kernels/{file})" for file, k in _kernels_in_sources() if k not in compiled]
     assert not missing, ("no entry of compile_check.matrix_entries() launches " + ", ".join(missing)
                          + ": add one that calls its launcher")
 

@@ -1,7 +1,7 @@
 """The Triton kernels against the float64 reference and the PyTorch emulation.
 
 On CPU the kernels run in Triton's interpreter at tiny shapes and tiles (the interpreter's float
-conversions are made exact by kernels/lowp.py, so kernel and emulation agree to rounding). On a
+conversions are made exact by fsattn_diffusers/kernels/lowp.py, so kernel and emulation agree to rounding). On a
 GPU the same checks run at real lengths, on every input family of docs/design.md §4.1.
 """
 

@@ -1,4 +1,4 @@
-"""kernels/launch.py: when a launch may skip Triton's dispatcher, and what it then passes.
+"""fsattn_diffusers/kernels/launch.py: when a launch may skip Triton's dispatcher, and what it then passes.
 
 CPU only: a stand-in for a JIT function records which path each call took. The GPU tests (every
 kernel test launches through Relaunch) check the launches themselves.
