@@ -72,7 +72,7 @@ def test_every_kernel_compiles_for_sm90_without_new_spills(version):
 def test_the_saturation_vote_has_named_barriers_of_its_own(version):
     # The warp-specialised kernel's vote (bar.red on barrier VOTE_BARRIER + consumer) must not
     # share an ID with a barrier Triton allocates: a shared ID would mix two barriers' arrivals.
-    with open(os.path.join(ROOT, "kernels", "fsattn_fwd_gluon_ws.py")) as f:
+    with open(os.path.join(ROOT, "fsattn_diffusers", "kernels", "fsattn_fwd_gluon_ws.py")) as f:
         first = int(re.search(r"^VOTE_BARRIER = (\d+)", f.read(), re.M).group(1))
     rows = [r for r in _matrix(version)
             if "error" not in r and r["key"].split(" / ")[1] == "_fsattn_fwd_gluon_ws_kernel"]
