@@ -3,7 +3,7 @@
 It runs every call the warp-specialised Gluon kernel does not (fsattn_diffusers/plan.py decides):
 head dims up to 32, calls with at most 1,024 keys at head dims 65-128 (cross-attention to text),
 float masks, GPUs other than Hopper, and the non-default numerics. Per query
-tile of BLOCK_M rows of one head, with Q, K and V already quantised by ``fsattn_diffusers/kernels/quantize.py``
+tile of BLOCK_M rows of one head, with Q, K and V already quantised by ``quantize.py`` beside it
 (docs/design.md §2):
 
 1. Q is INT8, one scale per token, with the softmax scale and log2(e) folded in, so the score
