@@ -202,7 +202,8 @@ def build_triton(variant="default", tiles: LaunchConfig | None = None, head_dim=
 
 
 def build_gluon(tiles: LaunchConfig | None = None, head_dim=128):
-    """The builds of one Gluon-kernel call (kernels/fsattn_fwd_gluon.py), at the op's tiles by default."""
+    """The builds of one Gluon-kernel call (``fsattn_diffusers.kernels.fsattn_fwd_gluon``), at the op's
+    tiles by default."""
     from fsattn_diffusers.kernels import fsattn_fwd_gluon as gk
 
     tiles = tiles or default_launch_config(SM90, head_dim)
@@ -216,7 +217,7 @@ def build_gluon(tiles: LaunchConfig | None = None, head_dim=128):
 
 def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_N, speculative=None,
                    bool_mask=False):
-    """The builds of one warp-specialised Gluon-kernel call (kernels/fsattn_fwd_gluon_ws.py); the
+    """The builds of one warp-specialised Gluon-kernel call (``fsattn_diffusers.kernels.fsattn_fwd_gluon_ws``); the
     defaults are the op's. `bool_mask`: with a boolean key-padding mask (HunyuanVideo's calls)."""
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
 
@@ -231,7 +232,7 @@ def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_
 
 
 def build_gelu_fp8(n_cols):
-    """The build of the recipe's feed-forward pass (kernels/gelu_fp8.py) for rows of `n_cols`."""
+    """The build of the recipe's feed-forward pass (``fsattn_diffusers.kernels.gelu_fp8``) for rows of `n_cols`."""
     from fsattn_diffusers.kernels import gelu_fp8
 
     with sm90_builds() as builds:
@@ -240,7 +241,7 @@ def build_gelu_fp8(n_cols):
 
 
 def build_qk_norm_rope(heads, head_dim=128):
-    """The build of the recipe's query/key RMSNorm + RoPE pass (kernels/qk_norm_rope.py) for rows of
+    """The build of the recipe's query/key RMSNorm + RoPE pass (``fsattn_diffusers.kernels.qk_norm_rope``) for rows of
     `heads` heads, the query and key as views of a fused QKV projection's output."""
     from fsattn_diffusers.kernels import qk_norm_rope
 
