@@ -11,12 +11,22 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+def _top_level_files() -> list[str]:
+    """The checkout's files as paths relative to its root: those git tracks (a developer's scratch
+    files are not the repository's), or every file where there is no git checkout."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout:
+        return listed.stdout.splitlines()
+    return [os.path.relpath(os.path.join(d, f), ROOT) for d, _, files in os.walk(ROOT) for f in files]
 
 
 def test_the_only_top_level_package_of_the_checkout_is_fsattn_diffusers():
-    packages = sorted(name for name in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, name, "__init__.py")))
-    modules = sorted(name for name in os.listdir(ROOT) if name.endswith(".py"))
+    files = _top_level_files()
+    packages = sorted({path.split("/")[0] for path in files if path.count("/") == 1 and path.endswith("/__init__.py")})
+    modules = sorted(path for path in files if "/" not in path and path.endswith(".py"))
     assert packages == ["fsattn_diffusers"] and modules == [], (
         f"top-level packages {packages} and modules {modules} of the checkout would shadow installed ones of the "
         "same name from its root; put them under fsattn_diffusers/ (or a folder without __init__.py)")
@@ -24,8 +34,10 @@ def test_the_only_top_level_package_of_the_checkout_is_fsattn_diffusers():
 
 def test_from_the_checkout_root_kernels_is_not_a_folder_of_the_checkout():
     code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s and s.origin else '')"
-    origin = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # it would keep the root off sys.path
+    origin = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             check=True).stdout.strip()
+    origin = os.path.realpath(origin) if origin else origin
     # Hugging Face's package where it is installed (a virtual environment may sit in the checkout),
     # or nothing; never the checkout's own kernels/ folder or kernels.py.
     assert origin not in (os.path.join(ROOT, "kernels", "__init__.py"), os.path.join(ROOT, "kernels.py")), (
