@@ -7,8 +7,8 @@
     python benchmarks/compile_check.py --matrix [--json]      # every kernel the op launches, at the configs it runs
 
 Every kernel is compiled through its own launcher (fsattn_diffusers/kernels/*.py), called with CPU
-tensors of a model-like shape: inside `sm90_builds` a launch compiles for sm_90a instead of running, with
-Triton's own argument specialisation, ptxas and ptxas flags, so each build is the one an H100 or
+tensors of a model-like shape: inside `sm90_builds` a launch compiles for sm_90a instead of
+running, with Triton's own argument specialisation, ptxas and ptxas flags, so each build is the one an H100 or
 H200 would run, and a parameter or kernel added to a launcher needs no change here. Registers and
 spills are ptxas's report of that build. Costs no device time: compile errors, spills and missing
 wgmma instructions show before a lease. To check another Triton release, put it first on
@@ -217,8 +217,9 @@ def build_gluon(tiles: LaunchConfig | None = None, head_dim=128):
 
 def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_N, speculative=None,
                    bool_mask=False):
-    """The builds of one warp-specialised Gluon-kernel call (``fsattn_diffusers.kernels.fsattn_fwd_gluon_ws``); the
-    defaults are the op's. `bool_mask`: with a boolean key-padding mask (HunyuanVideo's calls)."""
+    """The builds of one warp-specialised Gluon-kernel call
+    (``fsattn_diffusers.kernels.fsattn_fwd_gluon_ws``); the defaults are the op's. `bool_mask`:
+    with a boolean key-padding mask (HunyuanVideo's calls)."""
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
 
     q, k, v, out, lse = _attention_inputs(head_dim)
@@ -232,7 +233,8 @@ def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_
 
 
 def build_gelu_fp8(n_cols):
-    """The build of the recipe's feed-forward pass (``fsattn_diffusers.kernels.gelu_fp8``) for rows of `n_cols`."""
+    """The build of the recipe's feed-forward pass (``fsattn_diffusers.kernels.gelu_fp8``) for rows
+    of `n_cols`."""
     from fsattn_diffusers.kernels import gelu_fp8
 
     with sm90_builds() as builds:
@@ -241,8 +243,9 @@ def build_gelu_fp8(n_cols):
 
 
 def build_qk_norm_rope(heads, head_dim=128):
-    """The build of the recipe's query/key RMSNorm + RoPE pass (``fsattn_diffusers.kernels.qk_norm_rope``) for rows of
-    `heads` heads, the query and key as views of a fused QKV projection's output."""
+    """The build of the recipe's query/key RMSNorm + RoPE pass
+    (``fsattn_diffusers.kernels.qk_norm_rope``) for rows of `heads` heads, the query and key as
+    views of a fused QKV projection's output."""
     from fsattn_diffusers.kernels import qk_norm_rope
 
     n = heads * head_dim
@@ -259,7 +262,8 @@ def matrix_entries():
     Triton kernel's variants at the launcher's tiles, the Gluon kernel at the same tiles, the
     warp-specialised kernel at its stages with 128- and 64-key tiles, each at head dims 128 and 64;
     the recipe's feed-forward pass at the hidden widths of Wan2.1-1.3B, HunyuanVideo /
-    CogVideoX and Wan2.1-14B, and its query/key norm + RoPE pass at Wan2.1-1.3B's and 14B's heads. The quantisation kernels are compiled by the calls that launch them.
+    CogVideoX and Wan2.1-14B, and its query/key norm + RoPE pass at Wan2.1-1.3B's and 14B's
+    heads. The quantisation kernels are compiled by the calls that launch them.
     A new kernel or configuration is one more entry here."""
     entries = []
     for head_dim in (128, 64):

@@ -762,9 +762,10 @@ def _undo(pipe_or_model, states) -> None:
 def remove_recipe(pipe_or_model):
     """Undo :func:`apply_recipe` where it can be undone; harmless where it was not applied.
 
-    Compilation, fsattn, the fused feed-forwards, the fused norm and RoPE and the QKV fusion are undone; the FP8 weights
-    are put back in bf16 only if the recipe was applied with ``keep_original_weights=True``, and
-    otherwise stay FP8 (the fused projections' separate layers included). Returns `pipe_or_model`.
+    Compilation, fsattn, the fused feed-forwards, the fused norm and RoPE and the QKV fusion are
+    undone; the FP8 weights are put back in bf16 only if the recipe was applied with
+    ``keep_original_weights=True``, and otherwise stay FP8 (the fused projections' separate
+    layers included). Returns `pipe_or_model`.
     """
     targets = _targets(pipe_or_model, "remove_recipe")
     states = [(model, model.__dict__[_STATE_ATTR]) for _, model in targets if _STATE_ATTR in model.__dict__]
@@ -779,7 +780,7 @@ def recipe_summary(pipe_or_model) -> dict:
     Each entry: ``parts`` (the switches and ``dynamic``), ``fused_modules`` (attention modules
     running fused projections), ``fp8_linear`` (module names this application put in FP8: layers
     an earlier recipe left in FP8, which stays, are not listed again), ``fused_ffn`` (feed-forwards
-    on the one-kernel GELU + FP8 scaling), ``fp8_reversible`` (original weights kept) and
+    on the one-kernel GELU + FP8 scaling), ``fp8_reversible`` (original weights kept),
     ``fused_norm_rope`` (attention modules on the fused query/key norm and RoPE) and
     ``compiled_modules`` (modules compiled regionally).
     """

@@ -16,11 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 def _top_level_files() -> list[str]:
     """The checkout's files as paths relative to its root: those git tracks (a developer's scratch
-    files are not the repository's), or every file where there is no git checkout."""
+    files are not the repository's); without git, the root's files and its folders' __init__.py."""
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if listed.returncode == 0 and listed.stdout:
         return listed.stdout.splitlines()
-    return [os.path.relpath(os.path.join(d, f), ROOT) for d, _, files in os.walk(ROOT) for f in files]
+    names = os.listdir(ROOT)
+    return names + [f"{n}/__init__.py" for n in names if os.path.isfile(os.path.join(ROOT, n, "__init__.py"))]
 
 
 def test_the_only_top_level_package_of_the_checkout_is_fsattn_diffusers():

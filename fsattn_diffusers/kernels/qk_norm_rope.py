@@ -6,9 +6,10 @@ angles. Compiled, that is a looped reduction that reads the row again for the ro
 Wan2.1-14B block inside the recipe, ~1 TB/s, benchmarks/NOTES.md v17 (e); 2.9 ms standalone). Here
 one program takes a token's row (its heads as at most two power-of-two chunks): it loads the row
 for the sum of squares and again for the rotation, the second load from cache (a 10 KB row), and
-writes it once: 0.87 ms at that shape, ~3.5 TB/s of DRAM traffic (NOTES v28 (d)). The rounding follows eager PyTorch: the normalised, weighted
-row is rounded to the input's dtype (``rms_norm``'s output); with float32 angles the rotation runs
-in float32 and is rounded once, with angles in the input's dtype each product and sum is rounded.
+writes it once: 0.87 ms at that shape, ~3.5 TB/s of DRAM traffic (NOTES v28 (d)). The rounding
+follows eager PyTorch: the normalised, weighted row is rounded to the input's dtype (``rms_norm``'s
+output); with float32 angles the rotation runs in float32 and is rounded once, with angles in the
+input's dtype each product and sum is rounded.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .lowp import IN_INTERPRETER, to_low_precision
 
 
 @triton.jit
-def _row_chunk(x_ptr, h0: tl.constexpr, HC: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
+def _row_chunk(h0: tl.constexpr, HC: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
     heads = h0 + tl.arange(0, HC)
     offs = heads[:, None] * D + tl.arange(0, D)[None, :]
     return offs, heads[:, None] < H
@@ -30,7 +31,7 @@ def _row_chunk(x_ptr, h0: tl.constexpr, HC: tl.constexpr, H: tl.constexpr, D: tl
 
 @triton.jit
 def _sum_of_squares(x_ptr, h0: tl.constexpr, HC: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
-    offs, mask = _row_chunk(x_ptr, h0, HC, H, D)
+    offs, mask = _row_chunk(h0, HC, H, D)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return tl.sum(tl.sum(x * x, 1), 0)
 
@@ -38,7 +39,7 @@ def _sum_of_squares(x_ptr, h0: tl.constexpr, HC: tl.constexpr, H: tl.constexpr, 
 @triton.jit
 def _normed_rotated(x_ptr, w_ptr, out_ptr, cos, sin, rstd, h0: tl.constexpr, HC: tl.constexpr, H: tl.constexpr,
                     D: tl.constexpr, ROUND_PRODUCTS: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    offs, mask = _row_chunk(x_ptr, h0, HC, H, D)
+    offs, mask = _row_chunk(h0, HC, H, D)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # rms_norm's output, rounded to the model's dtype before the rotation reads it.
