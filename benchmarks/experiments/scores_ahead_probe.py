@@ -21,22 +21,29 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 from input_families import make_family  # noqa: E402
 
-from fsattn_diffusers import fsattn, ops, reset_stats, stats  # noqa: E402
+from fsattn_diffusers import FSAttnConfig, fsattn, ops, plan, reset_stats, stats  # noqa: E402
+from fsattn_diffusers.kernels import configs  # noqa: E402
 from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk  # noqa: E402
+
+configs.GLUON_WS_MAX_STAGES[128] = 6  # 5 and 6 stages fit shared memory (225,704 bytes at 6)
+VARIANTS = {"default4": (False, 4), "default5": (False, 5), "default6": (False, 6), "ahead4": (True, 4),
+            "ahead6": (True, 6)}
 from fsattn_diffusers.metrics import cosine_similarity, relative_l1  # noqa: E402
 from fsattn_diffusers.reference import attention_reference  # noqa: E402
 
 
-def set_ahead(on: bool):
-    wk.SCORES_AHEAD = on
+def set_variant(name):
+    ahead, stages = VARIANTS[name]
+    wk.SCORES_AHEAD = ahead
     wk.gluon_ws_forward.cache_clear()
+    plan._plan.cache_clear()
     ops._prepared_calls.clear()
+    return FSAttnConfig(num_stages=stages)
 
 
 def check(results):
-    families = ["randn", "peaky", "late_sink", "max_staircase", "masked_keys", "padded_keys", "fully_masked",
-                "huge_magnitude"]
-    shapes = [(1, 2000, 4, 2000), (2, 1500, 4, 2700), (1, 700, 2, 4100)]
+    families = ["randn", "late_sink", "max_staircase", "padded_keys"]
+    shapes = [(2, 1500, 4, 2700), (1, 700, 2, 4100)]
     for fam in families:
         for bsz, sq, heads, sk in shapes:
             gen = torch.Generator().manual_seed(hash((fam, sq)) % 2**31)
@@ -44,23 +51,18 @@ def check(results):
             q, k, v = (t.cuda().to(torch.bfloat16) for t in (q, k, v))
             mask = mask.cuda() if mask is not None else None
             outs = {}
-            for ahead in (False, True):
-                set_ahead(ahead)
-                reset_stats()
-                out, lse = fsattn(q, k, v, attn_mask=mask, return_lse=True)
+            for name in VARIANTS:
+                cfg = set_variant(name)
+                out, lse = fsattn(q, k, v, attn_mask=mask, return_lse=True, config=cfg)
                 torch.cuda.synchronize()
-                outs[ahead] = (out.float(), lse, dict(stats()))
+                outs[name] = (out.float(), lse)
             ref, _ = attention_reference(q, k, v, mask)
+            base = outs["default4"]
             row = {"family": fam, "shape": [bsz, sq, heads, sk],
-                   "out_equal": bool(torch.equal(outs[False][0], outs[True][0])),
-                   "lse_equal": bool(torch.equal(outs[False][1], outs[True][1])),
-                   "max_abs_diff": float((outs[False][0] - outs[True][0]).abs().nan_to_num(0).max()),
-                   "finite": bool(torch.isfinite(outs[True][0]).all())}
-            for ahead in (False, True):
-                o = outs[ahead][0]
-                row[f"cos_{int(ahead)}"] = cosine_similarity(o, ref)
-                row[f"rel_l1_{int(ahead)}"] = relative_l1(o, ref)
-            row["stats"] = {k_: v_ for k_, v_ in outs[True][2].items() if isinstance(v_, (int, float))}
+                   "equal_to_default4": {n: bool(torch.equal(base[0], o[0]) and torch.equal(base[1], o[1]))
+                                         for n, o in outs.items()},
+                   "finite": all(bool(torch.isfinite(o[0]).all()) for o in outs.values()),
+                   "cos": cosine_similarity(base[0], ref), "rel_l1": relative_l1(base[0], ref)}
             print(row, flush=True)
             results["check"].append(row)
 
@@ -72,19 +74,19 @@ def bench(results, rounds):
         q, k, v = (torch.randn(bsz, seq, heads, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(3))
         flops = 4.0 * bsz * heads * seq * seq * 128
-        times = {False: [], True: []}
+        times = {n: [] for n in VARIANTS}
         for _ in range(rounds):
-            for ahead in (False, True):
-                set_ahead(ahead)
-                fsattn(q, k, v)
-                ms = triton.testing.do_bench(lambda: fsattn(q, k, v), warmup=3, rep=1500, return_mode="median")
-                times[ahead].append(ms)
+            for name in VARIANTS:
+                cfg = set_variant(name)
+                fsattn(q, k, v, config=cfg)
+                ms = triton.testing.do_bench(lambda: fsattn(q, k, v, config=cfg), warmup=3, rep=1500,
+                                             return_mode="median")
+                times[name].append(ms)
         row = {"shape": name}
-        for ahead in (False, True):
-            med = sorted(times[ahead])[len(times[ahead]) // 2]
-            row[f"ms_{int(ahead)}"] = times[ahead]
-            row[f"tflops_{int(ahead)}"] = flops / med / 1e9
-        row["speedup"] = row["tflops_1"] / row["tflops_0"]
+        for n in VARIANTS:
+            med = sorted(times[n])[len(times[n]) // 2]
+            row[f"ms_{n}"] = times[n]
+            row[f"tflops_{n}"] = flops / med / 1e9
         print(row, flush=True)
         results["bench"].append(row)
         del q, k, v
@@ -94,7 +96,7 @@ def bench(results, rounds):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-check", action="store_true")
     args = parser.parse_args()
     results = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
