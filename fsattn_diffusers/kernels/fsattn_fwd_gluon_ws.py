@@ -133,8 +133,6 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # against float64 on randn 3.55 -> 3.57 %). NOTES v28.
 SPEC_OFFSET = gl.constexpr(4.0)
 SPECULATIVE_MAX = True
-# Experiment: the consumers' turn issues the next score GEMM before this tile's PV (_consumer_ahead).
-SCORES_AHEAD = False
 
 
 @gluon.jit
@@ -326,167 +324,6 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
 
 
 @gluon.jit
-def _packed_words(words):
-    """Element 0 of each 4 of `words` (:func:`_to_fp8_words`; the other three are zeros): the 16
-    registers of P that cross the loop's back edge (carried as they are, the zeros would take 48
-    more, which ptxas cannot see are zeros)."""
-    ROWS: gl.constexpr = words.shape[0]
-    N: gl.constexpr = words.shape[1]
-    return gl.reduce(gl.reshape(words, [ROWS, N // 4, 4]), 2, _or)
-
-
-@gluon.jit
-def _fp8_of_packed(packed, layout: gl.constexpr):
-    """The FP8 P (in `layout`, the PV operand's) of :func:`_packed_words`' result."""
-    ROWS: gl.constexpr = packed.shape[0]
-    N: gl.constexpr = packed.shape[1] * 4
-    zeros = gl.reshape(gl.zeros([ROWS, N], gl.int32, layout), [ROWS, N // 4, 4])
-    words = gl.reshape(gl.expand_dims(packed, 2) | zeros, [ROWS, N])
-    return _words_to_fp8(gl.convert_layout(words, layout))
-
-
-@gluon.jit
-def _correction(qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_stage, ks_tile_ptr,
-                KS_IN_RING: gl.constexpr):
-    """:func:`_corrected_if_saturated`'s correction, for a tile known to have saturated."""
-    acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
-    row_layout: gl.constexpr = l_acc.type.layout
-    s_layout: gl.constexpr = row_layout.parent
-    p_o_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=4)
-    p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_tile.type.layout, k_width=4)
-    ROWS: gl.constexpr = q_tile.shape[0]
-    BLOCK_N: gl.constexpr = k_tile.shape[0]
-    l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
-    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
-                          use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    ks = _key_scales(ks_stage, ks_tile_ptr, BLOCK_N, gl.SliceLayout(0, s_layout), KS_IN_RING)
-    pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
-    m_new = gl.maximum(m, gl.max(pre, 1) * qs)
-    alpha = gl.exp2(m - m_new)
-    d = _p_from(pre, qs, m_new) - gl.expand_dims(alpha, 1) * _fp8_rounded(_p_from(pre, qs, m))
-    m = m_new
-    d8 = _in_wgmma_order(d, p_o_layout).to(gl.float8e4nv)
-    acc, l_acc = _rescaled(acc, l_acc, alpha)
-    l_tok = warpgroup_mma(gl.convert_layout(d8, p_l_layout), w_tile.permute((1, 0)), gl.zeros_like(l_tile),
-                          use_acc=False, is_async=True)
-    o_tok = warpgroup_mma(d8, vt_tile.permute((1, 0)), acc, is_async=True)
-    acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
-    return m, l_acc, warpgroup_mma_init(acc), warpgroup_mma_init(l_tile)
-
-
-@gluon.jit
-def _consumer_ahead(c: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
-                    ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr,
-                    lse_ptr, q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os,
-                    stride_oh, N_CONSUMERS: gl.constexpr):
-    """Consumer warpgroup `c` with the speculative max, its softmax of tile j + 1 under its own
-    row-sum and PV GEMMs of tile j: in its turn it issues the score GEMM of tile j + 1 first, then
-    the row sum and PV of tile j, checks tile j's P, hands the turn on and waits for the score GEMM
-    only (groups retire in order); P of tile j + 1 is then computed while the GEMMs of tile j run,
-    and only then waits for them (the common path never touches the output accumulator)."""
-    ROWS: gl.constexpr = 64
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    D_PAD: gl.constexpr = k_smem.shape[2]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D_PAD, 32])
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 16, 32])
-    p_o_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    FIRST: gl.constexpr = 1 if c == 0 else 0
-
-    my_row = q_row + c * ROWS
-    cols = gl.arange(0, BLOCK_N, layout=col_layout)
-    qs = gl.load(qs_ptr + my_row + gl.arange(0, ROWS, layout=row_layout))
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.int32, layout=s_layout)
-    l_zero = gl.zeros([ROWS, ROWSUM_N], gl.float32, layout=l_layout)
-    acc = gl.zeros([ROWS, D_PAD], gl.float32, layout=o_layout)
-    l_acc = gl.zeros([ROWS], gl.float32, layout=row_layout)
-    m = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-    q_tile = q_smem.index(c)
-    mbarrier.wait(q_bars.index(c), 0)
-    _declare_vote(c, n_tiles)
-
-    if KS_IN_RING:
-        mbarrier.wait(ready.index(0), 0)
-        ks = ks_smem.index(0).load(col_layout)
-    else:
-        ks = gl.load(ks_ptr + kv_row + cols)
-        mbarrier.wait(ready.index(0), 0)
-    mbarrier.wait(turn.index(c), FIRST)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    words, flags = _to_fp8_words(_in_wgmma_order(_p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m),
-                                                 p_o_layout))
-    words = _packed_words(words)
-    o_tok = warpgroup_mma_init(acc)
-    for tile in range(n_tiles - 1):
-        stage = tile % STAGES
-        nxt = tile + 1
-        nstage = nxt % STAGES
-        if not KS_IN_RING:
-            ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
-        mbarrier.wait(ready.index(nstage), (nxt // STAGES) & 1)
-        mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
-        s_tok = warpgroup_mma(q_tile, k_smem.index(nstage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        p8 = _fp8_of_packed(words, p_o_layout)
-        l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
-                              use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), o_tok, is_async=True)
-        hit = _any_flag(flags, c, n_tiles)  # voted while the GEMMs run
-        mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
-        s = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok,))
-        if KS_IN_RING:
-            ks = ks_smem.index(nstage).load(col_layout)
-        words, flags = _to_fp8_words(_in_wgmma_order(_p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m),
-                                                     p_o_layout))
-        words = _packed_words(words)
-        acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
-        if hit:
-            # Tile `tile` saturated (rare): corrected now that its GEMMs are done (out of turn),
-            # and tile `nxt`'s P, taken from the old max, taken again from the new one.
-            m, l_acc, o_tok, l_tok = _correction(qs, m, l_acc, warpgroup_mma_init(acc), warpgroup_mma_init(l_tile),
-                                                 q_tile, k_smem.index(stage), w_smem.index(stage),
-                                                 vt_smem.index(stage), ks_smem.index(stage),
-                                                 ks_ptr + kv_row + tile * BLOCK_N, KS_IN_RING)
-            acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
-            s_tok = warpgroup_mma(q_tile, k_smem.index(nstage).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-            words, flags = _to_fp8_words(_in_wgmma_order(_p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m),
-                                                         p_o_layout))
-            words = _packed_words(words)
-        mbarrier.arrive(empty.index(stage), count=1)
-        l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
-        o_tok = warpgroup_mma_init(acc)
-
-    last = n_tiles - 1
-    stage = last % STAGES
-    mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
-    p8 = _fp8_of_packed(words, p_o_layout)
-    l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
-                          use_acc=False, is_async=True)
-    o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), o_tok, is_async=True)
-    m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
-                                                     k_smem.index(stage), w_smem.index(stage),
-                                                     vt_smem.index(stage), ks_smem.index(stage),
-                                                     ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING)
-    mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
-    acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
-    mbarrier.arrive(empty.index(stage), count=1)
-    l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
-    _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
-              b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, SPEC_OFFSET)
-
-
-@gluon.jit
 def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
     """One tile's P (FP8, PV operand layout) with the online max: the new running max and the
     rescaled accumulators (the Triton kernel's numerics)."""
@@ -609,7 +446,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
-    KS_IN_RING: gl.constexpr, AHEAD: gl.constexpr,
+    KS_IN_RING: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -645,12 +482,7 @@ def _fsattn_fwd_gluon_ws_kernel(
                      empty, q_row, kv_row, vt_row, w_row, n_tiles)
     # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
     # hands them to the partitions as tensors, and a branch on them would no longer be constexpr.
-    if AHEAD:
-        gl.static_assert(N_CONSUMERS == 2, "the scores-ahead schedule fits registers for two consumers only")
-        gl.warp_specialize([(_consumer_ahead, (0, KS_IN_RING) + consumer_args),
-                            (_consumer_ahead, (1, KS_IN_RING) + consumer_args),
-                            (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-    elif N_CONSUMERS == 3:
+    if N_CONSUMERS == 3:
         gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
                             (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
                             (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args),
@@ -721,7 +553,7 @@ class GluonWSForward:
         self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
                                    PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
-                                   KS_IN_RING=self._ks_in_ring, AHEAD=bool(speculative and SCORES_AHEAD and consumers == 2), num_warps=4, enable_fp_fusion=FP_FUSION)
+                                   KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     @property
     def direct(self) -> bool:
