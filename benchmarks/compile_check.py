@@ -90,6 +90,13 @@ class Build:
         return self._reported(r"(\d+) bytes spill stores")
 
     @property
+    def wgmma_serialized(self) -> bool:
+        """Whether ptxas serialised the build's wgmma instructions (its C7510-C7520 "Potential
+        Performance Loss" notes: each then waits for the one before, and a warp-specialised
+        kernel's GEMMs no longer overlap anything)."""
+        return bool(re.search(r"\(C75\d\d\) Potential Performance Loss: wgmma", self.ptxas_log))
+
+    @property
     def ptx(self) -> str:
         return self.compiled.asm["ptx"]
 
@@ -300,7 +307,7 @@ def run_matrix(entries=None):
             seen.add(b.compiled.hash)
             rows.append({"key": f"{entry} / {b.kernel}", "regs": b.regs, "spill": b.spill,
                          "smem": b.compiled.metadata.shared, "named_barriers": b.named_barriers,
-                         "vote_barriers": b.vote_barriers})
+                         "vote_barriers": b.vote_barriers, "wgmma_serialized": b.wgmma_serialized})
     return rows
 
 
@@ -311,7 +318,7 @@ def _counts(ptx, names):
 def _report(b: Build) -> str:
     regs, spill = b.regs, b.spill
     return (f"regs {'?' if regs is None else regs:>4} spill {'?' if spill is None else spill:>5} "
-            f"smem {b.compiled.metadata.shared:6d}")
+            f"smem {b.compiled.metadata.shared:6d}" + (" WGMMA SERIALISED" if b.wgmma_serialized else ""))
 
 
 def _main_build(builds, kernel):

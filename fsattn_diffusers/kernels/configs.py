@@ -8,6 +8,8 @@ sweeps (benchmarks/NOTES.md says which run chose what).
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 
@@ -66,12 +68,43 @@ def gluon_ws_ks_in_ring(d_pad: int) -> bool:
     return d_pad <= GLUON_WS_KS_IN_RING_MAX_D
 
 
-def gluon_ws_consumers(block_n: int, d_pad: int) -> int:
-    """Consumer warpgroups per program of the warp-specialised kernel. Three (160 registers each)
-    hold a 64-key score tile, or a 128-key one when the output tile is 64 wide and the K scales
-    come through the ring (545 TFLOP/s against 499 with two at head dim 64, NOTES v14 (c));
-    otherwise two (240 registers each)."""
-    return 3 if block_n == 64 or (d_pad <= 64 and gluon_ws_ks_in_ring(d_pad)) else 2
+# The last Triton release, as (major, minor), that builds the three-consumer forms of the
+# warp-specialised kernel (head dim 64; 64-key tiles) within their 160 registers a thread. Triton
+# 3.8 and 3.9 build them past it, and ptxas then serialises every wgmma of the build (its C7512
+# note: each GEMM waits for the one before, inside the warpgroup's turn at the tensor cores); two
+# consumers (240 registers) build cleanly there. Seen in the compiler's report, not timed: the GPU
+# machine runs Triton 3.6 (benchmarks/NOTES.md v30 (e)); tests/kernels/test_compile_matrix.py
+# fails on any build of a release that serialises.
+LAST_TRITON_WITH_THREE_CONSUMERS = (3, 7)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_release(version: str | None = None) -> tuple[int, int] | None:
+    """(major, minor) of a Triton version string ("3.7.1", "3.9.0+git..."), by default of the
+    Triton this process imports; None where there is none."""
+    if version is None:
+        try:
+            import triton
+        except ImportError:
+            return None
+        version = triton.__version__
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"not a Triton version: {version!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def gluon_ws_consumers(block_n: int, d_pad: int, triton_version: str | None = None) -> int:
+    """Consumer warpgroups per program of the warp-specialised kernel built by Triton
+    `triton_version` (default: the one this process imports). Three (160 registers each) hold a
+    64-key score tile, or a 128-key one when the output tile is 64 wide and the K scales come
+    through the ring (545 TFLOP/s against 499 with two at head dim 64, NOTES v14 (c)), where the
+    release builds them without serialising their GEMMs (:data:`LAST_TRITON_WITH_THREE_CONSUMERS`);
+    otherwise two (240 registers each). Two and three give bit-equal outputs."""
+    release = triton_release(triton_version)
+    three_fit = release is not None and release <= LAST_TRITON_WITH_THREE_CONSUMERS
+    three_wanted = block_n == 64 or (d_pad <= 64 and gluon_ws_ks_in_ring(d_pad))
+    return 3 if three_wanted and three_fit else 2
 
 
 # Every launch states it: the score dequantisation with the max subtraction, and the exponent's

@@ -79,10 +79,22 @@ def test_the_saturation_vote_has_named_barriers_of_its_own(version):
     assert rows, f"Triton {version}: no warp-specialised build in the matrix"
     for r in rows:
         head_dim, block_n = (int(x) for x in re.match(r"gluon_ws d(\d+) n(\d+)\b", r["key"]).groups())
-        consumers = gluon_ws_consumers(block_n, padded_head_dim(head_dim))
+        consumers = gluon_ws_consumers(block_n, padded_head_dim(head_dim), triton_version=version)
         assert r["vote_barriers"] == list(range(first, first + consumers)), (r["key"], r["vote_barriers"])
         # Triton's own: the partitions' (0 and 2 up) at least, or the regex no longer reads the PTX.
         assert 0 in r["named_barriers"], (r["key"], r["named_barriers"])
         clash = [i for i in r["named_barriers"] if i >= first]
         assert not clash, (f"Triton {version}, {r['key']}: Triton's own named barriers {r['named_barriers']} reach "
                            f"the vote's ({first} and up)")
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_no_build_has_its_wgmmas_serialised(version):
+    # ptxas serialises a build's wgmmas when it has too few registers to keep them in flight (its
+    # C7512 note): each GEMM then waits for the one before, and the warp-specialised kernel's
+    # GEMMs no longer run beside its softmax. Under Triton 3.8 and 3.9 the three-consumer builds
+    # did (configs.LAST_TRITON_WITH_THREE_CONSUMERS); the gate runs two consumers there.
+    rows = _matrix(version)
+    assert all("wgmma_serialized" in r for r in rows if "error" not in r), "compile_check no longer reports it"
+    serialised = [r["key"] for r in rows if r.get("wgmma_serialized")]
+    assert not serialised, f"Triton {version}: ptxas serialised the wgmmas of {serialised}"

@@ -91,19 +91,24 @@ def test_a_float_mask_never_reaches_a_gluon_kernel(gluon_importable):
 
 
 def test_tiles_and_stages_set_in_the_config_reach_the_warp_specialised_kernel(gluon_importable):
-    three = _plan(FSAttnConfig(block_n=64, num_stages=8))
-    assert (three.kernel, three.block_n, three.num_stages) == ("gluon_ws", 64, 8)
+    from fsattn_diffusers.kernels.configs import gluon_ws_consumers
+
+    small = _plan(FSAttnConfig(block_n=64, num_stages=8))
+    assert (small.kernel, small.block_n, small.num_stages) == ("gluon_ws", 64, 8)
     assert _plan(FSAttnConfig(num_stages=3)).num_stages == 3
-    # Its programs cover 64 query rows per consumer warpgroup, so Q is padded to that many.
-    assert three.block_m % 64 == 0 and three.block_m > _plan().block_m
+    # Its programs cover 64 query rows per consumer warpgroup (three on 64-key tiles where the
+    # installed Triton builds them unserialised), so Q is padded to that many.
+    assert small.block_m == 64 * gluon_ws_consumers(64, 128)
 
 
 def test_the_warp_specialised_programs_hold_three_consumers_at_head_dim_64_and_two_at_128(gluon_importable):
     # Q is padded to a program's rows (64 per consumer warpgroup) and q_tiles count programs: the
     # plan's block_m must be what the launcher runs (configs.gluon_ws_consumers decides both).
-    from fsattn_diffusers.kernels.configs import gluon_ws_consumers
+    # Three at head dim 64 only where the installed Triton builds them without serialising.
+    from fsattn_diffusers.kernels.configs import LAST_TRITON_WITH_THREE_CONSUMERS, gluon_ws_consumers, triton_release
 
-    for head_dim, consumers in ((128, 2), (96, 2), (64, 3), (48, 3)):
+    at_64 = 3 if triton_release() <= LAST_TRITON_WITH_THREE_CONSUMERS else 2
+    for head_dim, consumers in ((128, 2), (96, 2), (64, at_64), (48, at_64)):
         plan = _plan(head_dim=head_dim)
         assert (plan.kernel, plan.block_n, plan.block_m) == ("gluon_ws", 128, 64 * consumers)
         assert gluon_ws_consumers(plan.block_n, plan.d_pad) == consumers
@@ -226,7 +231,10 @@ def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, hea
     with pytest.raises(Recorded):
         _run(config, head_dim=head_dim)
     assert rows == [ops.call_plan(config, torch.device("cuda"), head_dim, seq_k=100).block_m]
-    assert rows == [{64: 192, 128: 128}[head_dim]]
+    from fsattn_diffusers.kernels.configs import LAST_TRITON_WITH_THREE_CONSUMERS, triton_release
+
+    at_64 = 192 if triton_release() <= LAST_TRITON_WITH_THREE_CONSUMERS else 128
+    assert rows == [{64: at_64, 128: 128}[head_dim]]
 
 
 @pytest.mark.parametrize("failure", ["front end", "ptxas", "mlir pass"])
@@ -292,3 +300,17 @@ def test_the_launchers_refuse_operands_the_plan_never_sends_them():
         d64.k_scale = bad
         with pytest.raises(ValueError, match=r"kv.k_scale must be contiguous float32 of shape \(2, 3, 256\)"):
             gluon_ws.fsattn_fwd_gluon_ws(None, d64, None, None, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("version,at_64", [("3.6.0", 3), ("3.7.1", 3), ("3.8.0", 2), ("3.9.0", 2),
+                                           ("3.10.0+git1234", 2), ("4.0.0", 2)])
+def test_three_consumers_only_under_the_releases_that_build_them_unserialised(version, at_64):
+    # Triton 3.8 and 3.9 build the three-consumer forms past their registers and ptxas serialises
+    # their GEMMs (tests/kernels/test_compile_matrix.py checks every release's builds).
+    from fsattn_diffusers.kernels.configs import gluon_ws_consumers
+
+    assert gluon_ws_consumers(128, 64, triton_version=version) == at_64  # head dim 64
+    assert gluon_ws_consumers(64, 128, triton_version=version) == at_64  # 64-key tiles
+    assert gluon_ws_consumers(128, 128, triton_version=version) == 2
+    with pytest.raises(ValueError, match="not a Triton version"):
+        gluon_ws_consumers(128, 64, triton_version="main")
