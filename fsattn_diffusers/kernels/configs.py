@@ -73,7 +73,7 @@ def gluon_ws_ks_in_ring(d_pad: int) -> bool:
 # 3.8 and 3.9 build them past it, and ptxas then serialises every wgmma of the build (its C7512
 # note: each GEMM waits for the one before, inside the warpgroup's turn at the tensor cores); two
 # consumers (240 registers) build cleanly there. Seen in the compiler's report, not timed: the GPU
-# machine runs Triton 3.6 (benchmarks/NOTES.md v30 (e)); tests/kernels/test_compile_matrix.py
+# machine runs Triton 3.6 (benchmarks/NOTES.md v30 (f)); tests/kernels/test_compile_matrix.py
 # fails on any build of a release that serialises.
 LAST_TRITON_WITH_THREE_CONSUMERS = (3, 7)
 

@@ -39,7 +39,9 @@ SDPA), against 656-667 for the Triton kernel; its distance to float64 on the inp
 docs/design.md §4.1 is within 0.08 percentage point of the Triton kernel's relative L1. At head dim
 64 the producer also brings the K scales into the ring stage, and the registers that frees let
 three consumers take 128-key tiles: 545 TFLOP/s at a CogVideoX-like shape, against 499 with two and
-475 for the Triton kernel (NOTES v14 (b), (c); outputs bit-equal to two consumers').
+475 for the Triton kernel (NOTES v14 (b), (c); outputs bit-equal to two consumers'). Triton 3.8
+and 3.9 build three consumers past their registers and ptxas serialises the GEMMs; under those
+releases two run (:func:`.configs.gluon_ws_consumers`, NOTES v30 (f)).
 fsattn_diffusers/plan.py sends it padded head dims 64 and 128.
 Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 """
