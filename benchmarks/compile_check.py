@@ -91,9 +91,9 @@ class Build:
 
     @property
     def wgmma_serialized(self) -> bool:
-        """Whether ptxas serialised the build's wgmma instructions (its C7510-C7520 "Potential
-        Performance Loss" notes: each then waits for the one before, and a warp-specialised
-        kernel's GEMMs no longer overlap anything)."""
+        """Whether ptxas serialised the build's wgmma instructions (its C75xx "Potential Performance
+        Loss: wgmma..." notes: each then waits for the one before, and a warp-specialised kernel's
+        GEMMs no longer overlap anything)."""
         return bool(re.search(r"\(C75\d\d\) Potential Performance Loss: wgmma", self.ptxas_log))
 
     @property

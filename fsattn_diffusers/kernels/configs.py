@@ -70,26 +70,31 @@ def gluon_ws_ks_in_ring(d_pad: int) -> bool:
 
 # The last Triton release, as (major, minor), that builds the three-consumer forms of the
 # warp-specialised kernel (head dim 64; 64-key tiles) within their 160 registers a thread. Triton
-# 3.8 and 3.9 build them past it, and ptxas then serialises every wgmma of the build (its C7512
-# note: each GEMM waits for the one before, inside the warpgroup's turn at the tensor cores); two
-# consumers (240 registers) build cleanly there. Seen in the compiler's report, not timed: the GPU
-# machine runs Triton 3.6 (benchmarks/NOTES.md v30 (f)); tests/kernels/test_compile_matrix.py
-# fails on any build of a release that serialises.
+# 3.8.0 and 3.9.0 exceed those registers, and ptxas then serialises every wgmma of the build (its
+# C7512 note: each GEMM waits for the one before, inside the warpgroup's turn at the tensor cores);
+# two consumers (240 registers) build cleanly there. Later releases are taken to behave alike until
+# the compile matrix (tests/kernels/test_compile_matrix.py, which fails on any serialised build)
+# covers them. Seen in the compiler's report; not timed under 3.8 / 3.9 (benchmarks/NOTES.md v30 (f)).
 LAST_TRITON_WITH_THREE_CONSUMERS = (3, 7)
 
 
 @functools.lru_cache(maxsize=None)
 def triton_release(version: str | None = None) -> tuple[int, int] | None:
     """(major, minor) of a Triton version string ("3.7.1", "3.9.0+git..."), by default of the
-    Triton this process imports; None where there is none."""
-    if version is None:
+    Triton this process imports; None where there is none, or where its version does not read as
+    one (a build from source may say anything; the kernels then take the choices that hold under
+    every release). A given `version` that does not read raises ValueError."""
+    installed = version is None
+    if installed:
         try:
             import triton
         except ImportError:
             return None
-        version = triton.__version__
+        version = str(getattr(triton, "__version__", ""))
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None:
+        if installed:
+            return None
         raise ValueError(f"not a Triton version: {version!r}")
     return int(found.group(1)), int(found.group(2))
 
@@ -98,9 +103,9 @@ def gluon_ws_consumers(block_n: int, d_pad: int, triton_version: str | None = No
     """Consumer warpgroups per program of the warp-specialised kernel built by Triton
     `triton_version` (default: the one this process imports). Three (160 registers each) hold a
     64-key score tile, or a 128-key one when the output tile is 64 wide and the K scales come
-    through the ring (545 TFLOP/s against 499 with two at head dim 64, NOTES v14 (c)), where the
-    release builds them without serialising their GEMMs (:data:`LAST_TRITON_WITH_THREE_CONSUMERS`);
-    otherwise two (240 registers each). Two and three give bit-equal outputs."""
+    through the ring (545 TFLOP/s against 499 with two at head dim 64, bit-equal, NOTES v14 (c)),
+    where the release builds them without serialising their GEMMs
+    (:data:`LAST_TRITON_WITH_THREE_CONSUMERS`); otherwise two (240 registers each)."""
     release = triton_release(triton_version)
     three_fit = release is not None and release <= LAST_TRITON_WITH_THREE_CONSUMERS
     three_wanted = block_n == 64 or (d_pad <= 64 and gluon_ws_ks_in_ring(d_pad))

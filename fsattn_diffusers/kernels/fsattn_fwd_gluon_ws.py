@@ -7,7 +7,8 @@ Why: the Triton kernel runs one warpgroup per program, two programs per SM, each
 loads (address arithmetic and ``cp.async`` in the softmax's instruction stream), meeting a
 program-wide ``bar.sync`` every tile, and waiting for each GEMM right after issuing it; NOTES v6
 found its loop bound by those waits, not by a unit. Here, per program of 2 x 64 query rows
-(128-key tiles at head dim 128, the default) or 3 x 64 (at head dim 64, or with 64-key tiles):
+(128-key tiles at head dim 128, the default) or 3 x 64 (at head dim 64, or with 64-key tiles,
+where the Triton release builds three consumers unserialised; :func:`.configs.gluon_ws_consumers`):
 
     producer (4 warps, 24 registers)   for each key tile: wait until every consumer released the
                                        ring stage, then TMA K, V^T and the row-sum weights (and at
@@ -39,9 +40,9 @@ SDPA), against 656-667 for the Triton kernel; its distance to float64 on the inp
 docs/design.md §4.1 is within 0.08 percentage point of the Triton kernel's relative L1. At head dim
 64 the producer also brings the K scales into the ring stage, and the registers that frees let
 three consumers take 128-key tiles: 545 TFLOP/s at a CogVideoX-like shape, against 499 with two and
-475 for the Triton kernel (NOTES v14 (b), (c); outputs bit-equal to two consumers'). Triton 3.8
-and 3.9 build three consumers past their registers and ptxas serialises the GEMMs; under those
-releases two run (:func:`.configs.gluon_ws_consumers`, NOTES v30 (f)).
+475 for the Triton kernel (NOTES v14 (b), (c); outputs bit-equal to two consumers'). Triton 3.8.0
+and 3.9.0 build three consumers past their registers and ptxas serialises the GEMMs: from 3.8 on,
+two run (:func:`.configs.gluon_ws_consumers`, NOTES v30 (f)).
 fsattn_diffusers/plan.py sends it padded head dims 64 and 128.
 Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 """

@@ -91,27 +91,29 @@ def test_a_float_mask_never_reaches_a_gluon_kernel(gluon_importable):
 
 
 def test_tiles_and_stages_set_in_the_config_reach_the_warp_specialised_kernel(gluon_importable):
-    from fsattn_diffusers.kernels.configs import gluon_ws_consumers
-
-    small = _plan(FSAttnConfig(block_n=64, num_stages=8))
-    assert (small.kernel, small.block_n, small.num_stages) == ("gluon_ws", 64, 8)
+    n64_tiles = _plan(FSAttnConfig(block_n=64, num_stages=8))
+    assert (n64_tiles.kernel, n64_tiles.block_n, n64_tiles.num_stages) == ("gluon_ws", 64, 8)
     assert _plan(FSAttnConfig(num_stages=3)).num_stages == 3
-    # Its programs cover 64 query rows per consumer warpgroup (three on 64-key tiles where the
-    # installed Triton builds them unserialised), so Q is padded to that many.
-    assert small.block_m == 64 * gluon_ws_consumers(64, 128)
+    # Its programs cover 64 query rows per consumer warpgroup, so Q is padded to that many (the
+    # consumer count is the subject of the next test).
+    assert n64_tiles.block_m in (128, 192)
 
 
-def test_the_warp_specialised_programs_hold_three_consumers_at_head_dim_64_and_two_at_128(gluon_importable):
+@pytest.mark.parametrize("release,at_64", [((3, 6), 3), ((3, 7), 3), ((3, 8), 2), ((3, 9), 2), (None, 2)])
+def test_the_warp_specialised_programs_hold_64_rows_per_consumer_three_at_head_dim_64_where_triton_allows(
+        gluon_importable, monkeypatch, release, at_64):
     # Q is padded to a program's rows (64 per consumer warpgroup) and q_tiles count programs: the
     # plan's block_m must be what the launcher runs (configs.gluon_ws_consumers decides both).
-    # Three at head dim 64 only where the installed Triton builds them without serialising.
-    from fsattn_diffusers.kernels.configs import LAST_TRITON_WITH_THREE_CONSUMERS, gluon_ws_consumers, triton_release
+    # Three at head dim 64 only under the releases that build them without serialising their GEMMs
+    # (None: a Triton whose version does not read).
+    from fsattn_diffusers.kernels import configs
 
-    at_64 = 3 if triton_release() <= LAST_TRITON_WITH_THREE_CONSUMERS else 2
-    for head_dim, consumers in ((128, 2), (96, 2), (64, at_64), (48, at_64)):
+    # gluon_importable empties the plan cache before and after.
+    monkeypatch.setattr(configs, "triton_release", lambda version=None: release)
+    for head_dim, block_m in ((128, 128), (96, 128), (64, 64 * at_64), (48, 64 * at_64)):
         plan = _plan(head_dim=head_dim)
-        assert (plan.kernel, plan.block_n, plan.block_m) == ("gluon_ws", 128, 64 * consumers)
-        assert gluon_ws_consumers(plan.block_n, plan.d_pad) == consumers
+        assert (plan.kernel, plan.block_n, plan.block_m) == ("gluon_ws", 128, block_m)
+        assert configs.gluon_ws_consumers(plan.block_n, plan.d_pad) * 64 == block_m
 
 
 def test_other_gpus_and_the_cpu_paths_run_the_triton_kernel(gluon_importable):
@@ -209,12 +211,19 @@ def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     assert torch.equal(kv.k_q, natural.k_q) and torch.equal(kv.k_scale, natural.k_scale)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, head_dim):
+@pytest.mark.parametrize("head_dim,release,program_rows", [(64, (3, 6), 192), (64, (3, 9), 128), (128, (3, 6), 128)])
+def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, request, head_dim, release,
+                                                                program_rows):
     # Q is padded to the rows of a program and the op counts q_tiles by the plan's block_m: the
-    # launcher's consumer warpgroups must cover exactly those rows. The real launcher runs on the
+    # launcher's consumer warpgroups must cover exactly those rows, under a Triton release that
+    # builds three consumers at head dim 64 and one that does not. The real launcher runs on the
     # real quantised K/V (interpreter) up to its operands, which are recorded instead of launched.
     gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
+    from fsattn_diffusers.kernels import configs
+
+    monkeypatch.setattr(configs, "triton_release", lambda version=None: release)
+    planning._plan.cache_clear()  # plans made under the installed release
+    request.addfinalizer(planning._plan.cache_clear)
 
     class Recorded(Exception):
         pass
@@ -231,10 +240,7 @@ def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, hea
     with pytest.raises(Recorded):
         _run(config, head_dim=head_dim)
     assert rows == [ops.call_plan(config, torch.device("cuda"), head_dim, seq_k=100).block_m]
-    from fsattn_diffusers.kernels.configs import LAST_TRITON_WITH_THREE_CONSUMERS, triton_release
-
-    at_64 = 192 if triton_release() <= LAST_TRITON_WITH_THREE_CONSUMERS else 128
-    assert rows == [{64: at_64, 128: 128}[head_dim]]
+    assert rows == [program_rows]
 
 
 @pytest.mark.parametrize("failure", ["front end", "ptxas", "mlir pass"])
