@@ -94,9 +94,6 @@ def test_tiles_and_stages_set_in_the_config_reach_the_warp_specialised_kernel(gl
     n64_tiles = _plan(FSAttnConfig(block_n=64, num_stages=8))
     assert (n64_tiles.kernel, n64_tiles.block_n, n64_tiles.num_stages) == ("gluon_ws", 64, 8)
     assert _plan(FSAttnConfig(num_stages=3)).num_stages == 3
-    # Its programs cover 64 query rows per consumer warpgroup, so Q is padded to that many (the
-    # consumer count is the subject of the next test).
-    assert n64_tiles.block_m in (128, 192)
 
 
 @pytest.mark.parametrize("release,at_64", [((3, 6), 3), ((3, 7), 3), ((3, 8), 2), ((3, 9), 2), (None, 2)])
@@ -108,11 +105,12 @@ def test_the_warp_specialised_programs_hold_64_rows_per_consumer_three_at_head_d
     # (None: a Triton whose version does not read).
     from fsattn_diffusers.kernels import configs
 
-    # gluon_importable empties the plan cache before and after.
+    # The autouse fresh_plans fixture empties the plan cache before and after.
     monkeypatch.setattr(configs, "triton_release", lambda version=None: release)
-    for head_dim, block_m in ((128, 128), (96, 128), (64, 64 * at_64), (48, 64 * at_64)):
-        plan = _plan(head_dim=head_dim)
-        assert (plan.kernel, plan.block_n, plan.block_m) == ("gluon_ws", 128, block_m)
+    for head_dim, block_n, block_m in ((128, 128, 128), (96, 128, 128), (64, 128, 64 * at_64), (48, 128, 64 * at_64),
+                                       (128, 64, 64 * at_64), (64, 64, 64 * at_64)):
+        plan = _plan(FSAttnConfig(block_n=None if block_n == 128 else block_n), head_dim=head_dim)
+        assert (plan.kernel, plan.block_n, plan.block_m) == ("gluon_ws", block_n, block_m)
         assert configs.gluon_ws_consumers(plan.block_n, plan.d_pad) * 64 == block_m
 
 
@@ -212,8 +210,7 @@ def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim,release,program_rows", [(64, (3, 6), 192), (64, (3, 9), 128), (128, (3, 6), 128)])
-def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, request, head_dim, release,
-                                                                program_rows):
+def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, head_dim, release, program_rows):
     # Q is padded to the rows of a program and the op counts q_tiles by the plan's block_m: the
     # launcher's consumer warpgroups must cover exactly those rows, under a Triton release that
     # builds three consumers at head dim 64 and one that does not. The real launcher runs on the
@@ -221,9 +218,7 @@ def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, req
     gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
     from fsattn_diffusers.kernels import configs
 
-    monkeypatch.setattr(configs, "triton_release", lambda version=None: release)
-    planning._plan.cache_clear()  # plans made under the installed release
-    request.addfinalizer(planning._plan.cache_clear)
+    monkeypatch.setattr(configs, "triton_release", lambda version=None: release)  # fresh_plans empties the cache
 
     class Recorded(Exception):
         pass
@@ -320,3 +315,27 @@ def test_three_consumers_only_under_the_releases_that_build_them_unserialised(ve
     assert gluon_ws_consumers(128, 128, triton_version=version) == 2
     with pytest.raises(ValueError, match="not a Triton version"):
         gluon_ws_consumers(128, 64, triton_version="main")
+
+
+def test_triton_release_reads_the_installed_version_or_gives_none(monkeypatch):
+    # The consumer count follows it; an installed Triton whose version does not read gets the
+    # choice that builds cleanly under every release (None: two consumers), a given one raises.
+    import sys
+
+    from fsattn_diffusers.kernels import configs
+
+    assert configs.triton_release("3.10.0") == (3, 10)
+    assert configs.triton_release("3.9.0+git1234") == (3, 9)
+    with pytest.raises(ValueError, match="not a Triton version"):
+        configs.triton_release("junk")
+    for fake, expected in ((SimpleNamespace(__version__="junk"), None), (SimpleNamespace(), None),
+                           (SimpleNamespace(__version__="3.7.1"), (3, 7))):
+        with monkeypatch.context() as patched:
+            patched.setitem(sys.modules, "triton", fake)
+            configs.triton_release.cache_clear()
+            try:
+                found = configs.triton_release()
+            finally:
+                configs.triton_release.cache_clear()
+        assert found == expected
+
