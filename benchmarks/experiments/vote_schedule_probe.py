@@ -28,11 +28,15 @@ from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk  # noqa: E402
 from fsattn_diffusers.metrics import cosine_similarity, relative_l1  # noqa: E402
 from fsattn_diffusers.reference import attention_reference  # noqa: E402
 
-SCHEDULES = (0, 1, 2)
+# name: (VOTE_SCHEDULE, LATE_RELEASE); the first is the baseline the others are checked against.
+VARIANTS = {"default": (0, False), "vote_late": (1, False), "no_vote": (2, False), "late_release": (0, True),
+            "warp_or_early": (3, False)}
+SCHEDULES = ("default", "vote_late", "no_vote")
+CHECKED = ("default", "vote_late")
 
 
-def use(schedule: int):
-    wk.VOTE_SCHEDULE = schedule
+def use(name: str):
+    wk.VOTE_SCHEDULE, wk.LATE_RELEASE = VARIANTS[name]
     wk.gluon_ws_forward.cache_clear()
     ops._prepared_calls.clear()
 
@@ -49,17 +53,17 @@ def check(results):
                 q, k, v = (t.cuda().to(torch.bfloat16) for t in (q, k, v))
                 mask = mask.cuda() if mask is not None else None
                 outs = {}
-                for schedule in (0, 1):
+                for schedule in CHECKED:
                     use(schedule)
                     out, lse = fsattn(q, k, v, attn_mask=mask, return_lse=True)
                     torch.cuda.synchronize()
                     outs[schedule] = (out.float(), lse)
                 ref, _ = attention_reference(q, k, v, mask)
                 row = {"family": fam, "head_dim": head_dim, "shape": [bsz, sq, heads, sk],
-                       "out_equal": bool(torch.equal(outs[0][0], outs[1][0])),
-                       "lse_equal": bool(torch.equal(outs[0][1], outs[1][1])),
-                       "finite": bool(torch.isfinite(outs[1][0]).all())}
-                for schedule in (0, 1):
+                       "out_equal": all(torch.equal(outs[CHECKED[0]][0], outs[x][0]) for x in CHECKED[1:]),
+                       "lse_equal": all(torch.equal(outs[CHECKED[0]][1], outs[x][1]) for x in CHECKED[1:]),
+                       "finite": all(bool(torch.isfinite(outs[x][0]).all()) for x in CHECKED)}
+                for schedule in CHECKED:
                     row[f"cos_{schedule}"] = cosine_similarity(outs[schedule][0], ref)
                     row[f"rel_l1_{schedule}"] = relative_l1(outs[schedule][0], ref)
                 print(row, flush=True)
@@ -97,7 +101,12 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--variants", default=None, help="comma-separated names of VARIANTS, baseline first")
     args = parser.parse_args()
+    global SCHEDULES, CHECKED
+    if args.variants:
+        SCHEDULES = tuple(args.variants.split(","))
+        CHECKED = tuple(x for x in SCHEDULES if x != "no_vote")
     results = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
                "check": [], "bench": []}
     try:
