@@ -136,14 +136,6 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # against float64 on randn 3.55 -> 3.57 %). NOTES v28.
 SPEC_OFFSET = gl.constexpr(4.0)
 SPECULATIVE_MAX = True
-# Experiment: where the saturation vote runs. 0: in the turn (the default); 1: after the turn is
-# handed on (a correction then drops the next tile's scores and issues that GEMM again); 2: no vote
-# and no correction (a knock-out, outputs wrong where a tile saturates); 3: in the turn, with each
-# warp's OR of its flags taken before the turn is waited for.
-VOTE_SCHEDULE = 0
-# Experiment: each consumer releases a tile's ring stage one tile later, right after its next
-# turn handoff (whose warpgroup barrier then serves both arrives), instead of after its own bar.sync.
-LATE_RELEASE = False
 
 
 @gluon.jit
@@ -224,10 +216,7 @@ def _declare_vote(c: gl.constexpr, any_scalar):
 def _any_flag(flags, c: gl.constexpr, any_scalar):
     """Whether a byte top bit is set in any of consumer c's flag words (0x80808080): each warp's
     words ORed (REDUX), then the warpgroup's vote (above). `any_scalar`: any int32 scalar."""
-    if flags.numel == 4:  # already each warp's OR (_warp_flags)
-        per_warp = flags
-    else:
-        per_warp = gl.reduce(gl.reshape(flags, [4, flags.numel // 4]), 1, _or)
+    per_warp = gl.reduce(gl.reshape(flags, [4, flags.numel // 4]), 1, _or)
     if c == 0:
         gl.inline_asm_elementwise(_VOTE_0, "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
         hit = _scalar_asm(_READ_0, any_scalar)
@@ -238,13 +227,6 @@ def _any_flag(flags, c: gl.constexpr, any_scalar):
         gl.inline_asm_elementwise(_VOTE_2, "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
         hit = _scalar_asm(_READ_2, any_scalar)
     return hit != 0
-
-
-@gluon.jit
-def _warp_flags(flags):
-    """Each warp's OR of its flag words, computed here: an ordered asm pins it before what follows."""
-    per_warp = gl.reduce(gl.reshape(flags, [4, flags.numel // 4]), 1, _or)
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [per_warp], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -314,32 +296,6 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
     tile's true P (and likewise the row sums); its returned tokens are complete. D also carries
     P_spec's FP8 rounding error, rounded again."""
     if _any_flag(flags, c, n_tiles):
-        m, l_acc, o_tok, l_tok = _correction(qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_stage,
-                                             ks_tile_ptr, KS_IN_RING)
-    return m, l_acc, o_tok, l_tok
-
-
-@gluon.jit
-def _corrected_late(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, s_tok, q_tile, k_tile, w_tile, vt_tile,
-                    k_next, ks_stage, ks_tile_ptr, n_tiles, KS_IN_RING: gl.constexpr):
-    """As :func:`_corrected_if_saturated`, after the score GEMM of the next tile (`k_next`) was
-    issued: a saturated tile retires it, drops its scores, corrects, and issues it again."""
-    if _any_flag(flags, c, n_tiles):
-        warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        m, l_acc, o_tok, l_tok = _correction(qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_stage,
-                                             ks_tile_ptr, KS_IN_RING)
-        ROWS: gl.constexpr = q_tile.shape[0]
-        BLOCK_N: gl.constexpr = k_tile.shape[0]
-        s_layout: gl.constexpr = l_acc.type.layout.parent
-        s_tok = warpgroup_mma(q_tile, k_next.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
-                              use_acc=False, is_async=True)
-    return m, l_acc, o_tok, l_tok, s_tok
-
-
-@gluon.jit
-def _correction(qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile, ks_stage, ks_tile_ptr,
-                KS_IN_RING: gl.constexpr):
-    if True:
         acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
         row_layout: gl.constexpr = l_acc.type.layout
         s_layout: gl.constexpr = row_layout.parent
@@ -380,8 +336,7 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, VOTE: gl.constexpr,
-              LATE: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
+def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
               ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
               q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
               N_CONSUMERS: gl.constexpr):
@@ -438,8 +393,6 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if SPECULATIVE:
             p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
-            if VOTE == 3:
-                flags = _warp_flags(flags)
         else:
             p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
         if not KS_IN_RING:
@@ -449,7 +402,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                               use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        if SPECULATIVE and (VOTE == 0 or VOTE == 3):
+        if SPECULATIVE:
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
@@ -457,18 +410,9 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
-        if LATE:  # the stage of tile - 1, whose GEMMs were waited for in the previous iteration
-            mbarrier.arrive(empty.index((tile + STAGES - 1) % STAGES), count=1, pred=tile > 0)
-        if SPECULATIVE and VOTE == 1:
-            m, l_acc, o_tok, l_tok, s_tok = _corrected_late(c, flags, qs, m, l_acc, o_tok, l_tok, s_tok, q_tile,
-                                                            k_smem.index(stage), w_smem.index(stage),
-                                                            vt_smem.index(stage), k_smem.index(nxt % STAGES),
-                                                            ks_smem.index(stage), ks_ptr + kv_row + tile * BLOCK_N,
-                                                            n_tiles, KS_IN_RING)
         # Groups retire in order: with one left in flight, the row sum and PV are done.
         acc, l_tile = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok, l_tok))
-        if not LATE:
-            mbarrier.arrive(empty.index(stage), count=1)
+        mbarrier.arrive(empty.index(stage), count=1)
         l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
 
     last = n_tiles - 1
@@ -484,19 +428,12 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
-    if SPECULATIVE and (VOTE == 0 or VOTE == 3):
+    if SPECULATIVE:
         m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
                                                          ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
-    if LATE:
-        mbarrier.arrive(empty.index((last + STAGES - 1) % STAGES), count=1, pred=last > 0)
-    if SPECULATIVE and VOTE == 1:
-        m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
-                                                         k_smem.index(stage), w_smem.index(stage),
-                                                         vt_smem.index(stage), ks_smem.index(stage),
-                                                         ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
     l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
@@ -512,7 +449,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
-    KS_IN_RING: gl.constexpr, VOTE: gl.constexpr, LATE: gl.constexpr,
+    KS_IN_RING: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -549,14 +486,14 @@ def _fsattn_fwd_gluon_ws_kernel(
     # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
     # hands them to the partitions as tensors, and a branch on them would no longer be constexpr.
     if N_CONSUMERS == 3:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING, VOTE, LATE) + consumer_args),
-                            (_consumer, (1, SPECULATIVE, KS_IN_RING, VOTE, LATE) + consumer_args),
-                            (_consumer, (2, SPECULATIVE, KS_IN_RING, VOTE, LATE) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args),
                             (_producer, (KS_IN_RING,) + producer_args)],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING, VOTE, LATE) + consumer_args),
-                            (_consumer, (1, SPECULATIVE, KS_IN_RING, VOTE, LATE) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
                             (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -619,8 +556,7 @@ class GluonWSForward:
         self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
                                    PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
-                                   KS_IN_RING=self._ks_in_ring, VOTE=VOTE_SCHEDULE,
-                                   LATE=LATE_RELEASE and num_stages > 2, num_warps=4, enable_fp_fusion=FP_FUSION)
+                                   KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     @property
     def direct(self) -> bool:
