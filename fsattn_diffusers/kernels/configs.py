@@ -75,7 +75,7 @@ def gluon_ws_ks_in_ring(d_pad: int) -> bool:
 # two consumers (240 registers) build cleanly there. Later releases are taken to behave alike until
 # the compile matrix (tests/kernels/test_compile_matrix.py, which fails on any serialised build)
 # covers them. Seen in the compiler's report; not timed under 3.8 / 3.9 (benchmarks/NOTES.md v30 (f));
-# under 3.6 two consumers ran 8 % below three at head dim 64, bit-equal (v31 (a)).
+# under 3.6 two consumers ran 6-8 % below three at head dim 64, bit-equal (v31 (a)).
 LAST_TRITON_WITH_THREE_CONSUMERS = (3, 7)
 
 
