@@ -94,6 +94,11 @@ def test_tiles_and_stages_set_in_the_config_reach_the_warp_specialised_kernel(gl
     n64_tiles = _plan(FSAttnConfig(block_n=64, num_stages=8))
     assert (n64_tiles.kernel, n64_tiles.block_n, n64_tiles.num_stages) == ("gluon_ws", 64, 8)
     assert _plan(FSAttnConfig(num_stages=3)).num_stages == 3
+    # Its programs cover 64 query rows per consumer warpgroup (as many as this Triton builds
+    # unserialised), so Q is padded to that many.
+    from fsattn_diffusers.kernels.configs import gluon_ws_consumers
+
+    assert n64_tiles.block_m == 64 * gluon_ws_consumers(64, n64_tiles.d_pad) and n64_tiles.block_m >= _plan().block_m
 
 
 @pytest.mark.parametrize("release,at_64", [((3, 6), 3), ((3, 7), 3), ((3, 8), 2), ((3, 9), 2), (None, 2)])
@@ -338,4 +343,3 @@ def test_triton_release_reads_the_installed_version_or_gives_none(monkeypatch):
             finally:
                 configs.triton_release.cache_clear()
         assert found == expected
-
