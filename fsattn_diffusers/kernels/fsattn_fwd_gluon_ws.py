@@ -136,6 +136,8 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # against float64 on randn 3.55 -> 3.57 %). NOTES v28.
 SPEC_OFFSET = gl.constexpr(4.0)
 SPECULATIVE_MAX = True
+# Experiment: one K-scale product per row pair (True) or the per-score multiply (False).
+Q_PAIRS = True
 
 
 @gluon.jit
@@ -243,9 +245,36 @@ def _rescaled(acc, l_acc, alpha):
 
 
 @gluon.jit
-def _p_from(pre, qs, m):
-    """P = 2^(x - m + SPEC_OFFSET) from the scores times their key's scale, `pre`, and a max m."""
-    return gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m, 1)))
+def _row_pair_scales(qs):
+    """Q's scales [ROWS] with rows i and i ^ 8 holding one value in the registers too.
+
+    Q's pre-pass gives query rows i and i ^ 8 one scale (:func:`.quantize.quantize_q`), and those
+    are the two rows each thread holds of the wgmma accumulator. Taken through a [row blocks of
+    16, bit 3 of the row, its low 3 bits] view and broadcast back, both rows of a thread hold the
+    same value, so the compiler computes a key's ks * qs once per thread, not once per score (32
+    FMUL per 128-key tile and thread instead of 64; the views are register renaming)."""
+    ROWS: gl.constexpr = qs.shape[0]
+    q3 = gl.reshape(qs, [ROWS // 16, 2, 8])
+    pair, q3 = gl.broadcast(gl.expand_dims(gl.max(q3, 1), 1), q3)
+    return gl.convert_layout(gl.reshape(pair, [ROWS]), qs.type.layout)
+
+
+@gluon.jit
+def _scores_plus(s, ks, qs, shift):
+    """x + shift: the INT32 scores dequantised, x = s * (ks * qs), plus a per-row `shift`, as FP32
+    (`qs` from :func:`_row_pair_scales`)."""
+    return gl.fma(s.to(gl.float32), gl.expand_dims(qs, 1) * gl.expand_dims(ks, 0), gl.expand_dims(shift, 1))
+
+
+@gluon.jit
+def _p_from(s, ks, qs, m, PAIRS: gl.constexpr):
+    """P = 2^(x - m + SPEC_OFFSET) from the INT32 scores and a max m (:func:`_scores_plus`)."""
+    if PAIRS:
+        p = gl.exp2(_scores_plus(s, ks, qs, SPEC_OFFSET - m))
+    else:
+        p = gl.exp2(gl.fma(s.to(gl.float32) * gl.expand_dims(ks, 0), gl.expand_dims(qs, 1),
+                           gl.expand_dims(SPEC_OFFSET - m, 1)))
+    return p
 
 
 @gluon.jit
@@ -259,10 +288,10 @@ def _key_scales(ks_stage, ks_tile_ptr, BLOCK_N: gl.constexpr, layout: gl.constex
 
 
 @gluon.jit
-def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr):
+def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr, PAIRS: gl.constexpr):
     """A tile's P from the running max m, as FP8 in the PV operand's layout, and its saturation
     flags (:func:`_to_fp8_words`)."""
-    p = _p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m)
+    p = _p_from(s, ks, qs, m, PAIRS)
     words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
     return _words_to_fp8(words), flags
 
@@ -286,7 +315,7 @@ def _fp8_rounded(p):
 
 @gluon.jit
 def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile,
-                            ks_stage, ks_tile_ptr, n_tiles, KS_IN_RING: gl.constexpr):
+                            ks_stage, ks_tile_ptr, n_tiles, KS_IN_RING: gl.constexpr, PAIRS: gl.constexpr):
     """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
     issued with its speculative P (consumer c's; `n_tiles`: any scalar for the vote): its
     saturation flag is voted on by the warpgroup while they run, and only a saturated tile waits
@@ -308,12 +337,14 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         ks = _key_scales(ks_stage, ks_tile_ptr, BLOCK_N, gl.SliceLayout(0, s_layout), KS_IN_RING)
-        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
-        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+        if PAIRS:
+            m_new = gl.maximum(m, gl.max(_scores_plus(s, ks, qs, gl.zeros_like(m)), 1))
+        else:
+            m_new = gl.maximum(m, gl.max(s.to(gl.float32) * gl.expand_dims(ks, 0), 1) * qs)
         alpha = gl.exp2(m - m_new)
         # One elementwise expression, so that no two FP32 tiles are live at once (registers); its
         # P_spec takes _speculative_p8's instructions, so it is the P the GEMMs used.
-        d = _p_from(pre, qs, m_new) - gl.expand_dims(alpha, 1) * _fp8_rounded(_p_from(pre, qs, m))
+        d = _p_from(s, ks, qs, m_new, PAIRS) - gl.expand_dims(alpha, 1) * _fp8_rounded(_p_from(s, ks, qs, m, PAIRS))
         m = m_new
         d8 = _in_wgmma_order(d, p_o_layout).to(gl.float8e4nv)
         acc, l_acc = _rescaled(acc, l_acc, alpha)
@@ -336,7 +367,7 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
+def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, PAIRS: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
               ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
               q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
               N_CONSUMERS: gl.constexpr):
@@ -369,6 +400,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     my_row = q_row + c * ROWS
     cols = gl.arange(0, BLOCK_N, layout=col_layout)
     qs = gl.load(qs_ptr + my_row + gl.arange(0, ROWS, layout=row_layout))
+    if PAIRS:
+        qs = _row_pair_scales(qs)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.int32, layout=s_layout)
     l_zero = gl.zeros([ROWS, ROWSUM_N], gl.float32, layout=l_layout)
     acc = gl.zeros([ROWS, D_PAD], gl.float32, layout=o_layout)
@@ -392,7 +425,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
             ks = ks_smem.index(stage).load(col_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if SPECULATIVE:
-            p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
+            p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout, PAIRS)
         else:
             p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
         if not KS_IN_RING:
@@ -406,7 +439,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
-                                                             ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING)
+                                                             ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING, PAIRS)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
@@ -421,7 +454,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         ks = ks_smem.index(stage).load(col_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     if SPECULATIVE:
-        p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
+        p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout, PAIRS)
     else:
         p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
     mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
@@ -432,7 +465,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
-                                                         ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING)
+                                                         ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING, PAIRS)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
@@ -449,7 +482,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
-    KS_IN_RING: gl.constexpr,
+    KS_IN_RING: gl.constexpr, Q_PAIRS: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -486,14 +519,14 @@ def _fsattn_fwd_gluon_ws_kernel(
     # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
     # hands them to the partitions as tensors, and a branch on them would no longer be constexpr.
     if N_CONSUMERS == 3:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING, Q_PAIRS) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_IN_RING, Q_PAIRS) + consumer_args),
+                            (_consumer, (2, SPECULATIVE, KS_IN_RING, Q_PAIRS) + consumer_args),
                             (_producer, (KS_IN_RING,) + producer_args)],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING, Q_PAIRS) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_IN_RING, Q_PAIRS) + consumer_args),
                             (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -556,7 +589,7 @@ class GluonWSForward:
         self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
                                    PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
-                                   KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
+                                   KS_IN_RING=self._ks_in_ring, Q_PAIRS=Q_PAIRS, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     @property
     def direct(self) -> bool:
