@@ -1,5 +1,5 @@
 """Experiment: the warp-specialised kernel's dequantisation with one ks * qs product per key and
-row pair (`fsattn_fwd_gluon_ws.Q_PAIRS` True) against one multiply per score (False), in one
+row pair (`configs.gluon_ws_row_pair_products()` True) against one multiply per score (False), in one
 process; Q's pre-pass gives rows i and i ^ 8 one scale in both.
 
 Correctness: both on the input families against float64 (not bit-equal: s * (ks * qs) and
@@ -31,7 +31,7 @@ SCHEDULES = (False, True)
 
 
 def use(schedule: bool):
-    wk.Q_PAIRS = schedule
+    wk.gluon_ws_row_pair_products = lambda: schedule
     wk.gluon_ws_forward.cache_clear()
     ops._prepared_calls.clear()
 
