@@ -368,8 +368,8 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 @gluon.jit
 def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, ROW_PAIRS: gl.constexpr, q_smem,
               k_smem, vt_smem, w_smem, ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr,
-              v_mean_ptr, out_ptr, lse_ptr, q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
-              N_CONSUMERS: gl.constexpr):
+              v_mean_ptr, out_ptr, lse_ptr, q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob,
+              stride_os, stride_oh, N_CONSUMERS: gl.constexpr):
     """Consumer warpgroup `c`: 64 query rows against every key tile.
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
