@@ -92,16 +92,6 @@ def _round_half_away(x):
     return torch.trunc(x + torch.where(x >= 0, 0.5, -0.5))
 
 
-def row_pair_max(x: torch.Tensor) -> torch.Tensor:
-    """x (..., S) with entries i and i ^ 8 both the larger of the two: Q's one scale per pair of
-    query rows (fsattn_diffusers/kernels/quantize.py, ``quantize_q``). An entry whose partner lies
-    past the end (S not a multiple of 16) keeps its own value, as a padded row of zeros would."""
-    idx = torch.arange(x.shape[-1], device=x.device)
-    partner = idx ^ 8
-    partner = torch.where(partner < x.shape[-1], partner, idx)
-    return torch.maximum(x, x[..., partner])
-
-
 def _masked_mean(x, key_weight):
     """Mean over the attended keys of x (B, H, S, D); all-masked rows give zeros."""
     x = torch.where(key_weight[:, None, :, None] != 0, x, 0.0)  # 0 * inf would be NaN
@@ -182,7 +172,7 @@ def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_
 
     qf = q.float().transpose(1, 2)  # (B, H, Sq, D)
     q_log2 = qf * (scale * LOG2E)
-    q_amax = row_pair_max(q_log2.abs().amax(-1).clamp_min(1e-20))
+    q_amax = q_log2.abs().amax(-1).clamp_min(1e-20)
     q8 = _round_half_away(q_log2 * (127.0 / q_amax)[..., None])
     qs = q_amax / 127.0
 

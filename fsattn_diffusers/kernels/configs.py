@@ -113,23 +113,6 @@ def gluon_ws_consumers(block_n: int, d_pad: int, triton_version: str | None = No
     return 3 if three_wanted and three_fit else 2
 
 
-# The last Triton release, as (major, minor), under which the warp-specialised kernel's one ks * qs
-# product per key and row pair (`fsattn_fwd_gluon_ws._row_pair_scales`) builds without spills in its
-# consumers' common path. Triton 3.9.0 spills 180 bytes at head dim 128 with it (local loads in every
-# tile) and none without it, so there the kernel keeps one multiply per score. Later releases are
-# taken to behave alike until the compile matrix covers them (benchmarks/NOTES.md v32).
-LAST_TRITON_WITH_ROW_PAIR_PRODUCTS = (3, 8)
-
-
-def gluon_ws_row_pair_products(triton_version: str | None = None) -> bool:
-    """Whether the warp-specialised kernel built by Triton `triton_version` (default: the one this
-    process imports) dequantises its scores with one K-scale product per key and row pair (32
-    multiplies per 128-key tile and thread instead of 64; Q's pre-pass gives rows i and i ^ 8 one
-    scale either way)."""
-    release = triton_release(triton_version)
-    return release is not None and release <= LAST_TRITON_WITH_ROW_PAIR_PRODUCTS
-
-
 # Every launch states it: the score dequantisation with the max subtraction, and the exponent's
 # argument, are single FMAs by design, and Triton 3.10 turns fusion off by default.
 FP_FUSION = True

@@ -59,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
 
 from .configs import GLUON_WS_MAX_STAGES as MAX_STAGES
 from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
-from .configs import FP_FUSION, GLUON_WS_STAGES, gluon_ws_consumers, gluon_ws_ks_in_ring, gluon_ws_row_pair_products
+from .configs import FP_FUSION, GLUON_WS_STAGES, gluon_ws_consumers, gluon_ws_ks_in_ring
 from .gluon_common import ROWSUM_N, GluonOperands, _descriptor, _epilogue, _program_rows, _softmax_tile, gluon_operands
 from .gluon_compat import tma_async_load
 from .launch import BoundLaunch
@@ -243,36 +243,9 @@ def _rescaled(acc, l_acc, alpha):
 
 
 @gluon.jit
-def _row_pair_scales(qs):
-    """Q's scales [ROWS] with rows i and i ^ 8 holding one value in the registers too.
-
-    Q's pre-pass gives query rows i and i ^ 8 one scale (:func:`.quantize.quantize_q`), and those
-    are the two rows each thread holds of the wgmma accumulator. Taken through a [row blocks of
-    16, bit 3 of the row, its low 3 bits] view and broadcast back, both rows of a thread hold the
-    same value, so the compiler computes a key's ks * qs once per thread, not once per score (32
-    FMUL per 128-key tile and thread instead of 64; the views are register renaming)."""
-    ROWS: gl.constexpr = qs.shape[0]
-    q3 = gl.reshape(qs, [ROWS // 16, 2, 8])
-    pair, q3 = gl.broadcast(gl.expand_dims(gl.max(q3, 1), 1), q3)
-    return gl.convert_layout(gl.reshape(pair, [ROWS]), qs.type.layout)
-
-
-@gluon.jit
-def _scores_plus(s, ks, qs, shift):
-    """x + shift: the INT32 scores dequantised, x = s * (ks * qs), plus a per-row `shift`, as FP32
-    (`qs` from :func:`_row_pair_scales`)."""
-    return gl.fma(s.to(gl.float32), gl.expand_dims(qs, 1) * gl.expand_dims(ks, 0), gl.expand_dims(shift, 1))
-
-
-@gluon.jit
-def _p_from(s, ks, qs, m, ROW_PAIRS: gl.constexpr):
-    """P = 2^(x - m + SPEC_OFFSET) from the INT32 scores and a max m (:func:`_scores_plus`)."""
-    if ROW_PAIRS:
-        p = gl.exp2(_scores_plus(s, ks, qs, SPEC_OFFSET - m))
-    else:
-        p = gl.exp2(gl.fma(s.to(gl.float32) * gl.expand_dims(ks, 0), gl.expand_dims(qs, 1),
-                           gl.expand_dims(SPEC_OFFSET - m, 1)))
-    return p
+def _p_from(pre, qs, m):
+    """P = 2^(x - m + SPEC_OFFSET) from the scores times their key's scale, `pre`, and a max m."""
+    return gl.exp2(gl.fma(pre, gl.expand_dims(qs, 1), gl.expand_dims(SPEC_OFFSET - m, 1)))
 
 
 @gluon.jit
@@ -286,10 +259,10 @@ def _key_scales(ks_stage, ks_tile_ptr, BLOCK_N: gl.constexpr, layout: gl.constex
 
 
 @gluon.jit
-def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr, ROW_PAIRS: gl.constexpr):
+def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr):
     """A tile's P from the running max m, as FP8 in the PV operand's layout, and its saturation
     flags (:func:`_to_fp8_words`)."""
-    p = _p_from(s, ks, qs, m, ROW_PAIRS)
+    p = _p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m)
     words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
     return _words_to_fp8(words), flags
 
@@ -313,7 +286,7 @@ def _fp8_rounded(p):
 
 @gluon.jit
 def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile,
-                            ks_stage, ks_tile_ptr, n_tiles, KS_IN_RING: gl.constexpr, ROW_PAIRS: gl.constexpr):
+                            ks_stage, ks_tile_ptr, n_tiles, KS_IN_RING: gl.constexpr):
     """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
     issued with its speculative P (consumer c's; `n_tiles`: any scalar for the vote): its
     saturation flag is voted on by the warpgroup while they run, and only a saturated tile waits
@@ -335,15 +308,12 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         ks = _key_scales(ks_stage, ks_tile_ptr, BLOCK_N, gl.SliceLayout(0, s_layout), KS_IN_RING)
-        if ROW_PAIRS:
-            m_new = gl.maximum(m, gl.max(_scores_plus(s, ks, qs, gl.zeros_like(m)), 1))
-        else:
-            m_new = gl.maximum(m, gl.max(s.to(gl.float32) * gl.expand_dims(ks, 0), 1) * qs)
+        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
+        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
         alpha = gl.exp2(m - m_new)
         # One elementwise expression, so that no two FP32 tiles are live at once (registers); its
         # P_spec takes _speculative_p8's instructions, so it is the P the GEMMs used.
-        d = (_p_from(s, ks, qs, m_new, ROW_PAIRS)
-             - gl.expand_dims(alpha, 1) * _fp8_rounded(_p_from(s, ks, qs, m, ROW_PAIRS)))
+        d = _p_from(pre, qs, m_new) - gl.expand_dims(alpha, 1) * _fp8_rounded(_p_from(pre, qs, m))
         m = m_new
         d8 = _in_wgmma_order(d, p_o_layout).to(gl.float8e4nv)
         acc, l_acc = _rescaled(acc, l_acc, alpha)
@@ -366,10 +336,10 @@ def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, ROW_PAIRS: gl.constexpr, q_smem,
-              k_smem, vt_smem, w_smem, ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr,
-              v_mean_ptr, out_ptr, lse_ptr, q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob,
-              stride_os, stride_oh, N_CONSUMERS: gl.constexpr):
+def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
+              ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
+              q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
+              N_CONSUMERS: gl.constexpr):
     """Consumer warpgroup `c`: 64 query rows against every key tile.
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
@@ -399,8 +369,6 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     my_row = q_row + c * ROWS
     cols = gl.arange(0, BLOCK_N, layout=col_layout)
     qs = gl.load(qs_ptr + my_row + gl.arange(0, ROWS, layout=row_layout))
-    if ROW_PAIRS:
-        qs = _row_pair_scales(qs)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.int32, layout=s_layout)
     l_zero = gl.zeros([ROWS, ROWSUM_N], gl.float32, layout=l_layout)
     acc = gl.zeros([ROWS, D_PAD], gl.float32, layout=o_layout)
@@ -424,7 +392,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
             ks = ks_smem.index(stage).load(col_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if SPECULATIVE:
-            p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout, ROW_PAIRS)
+            p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
         else:
             p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
         if not KS_IN_RING:
@@ -438,8 +406,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
-                                                             ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING,
-                                                             ROW_PAIRS)
+                                                             ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
@@ -454,7 +421,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         ks = ks_smem.index(stage).load(col_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     if SPECULATIVE:
-        p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout, ROW_PAIRS)
+        p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
     else:
         p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
     mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
@@ -465,8 +432,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
-                                                         ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING,
-                                                         ROW_PAIRS)
+                                                         ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
@@ -483,7 +449,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
-    KS_IN_RING: gl.constexpr, ROW_PAIRS: gl.constexpr,
+    KS_IN_RING: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -520,14 +486,14 @@ def _fsattn_fwd_gluon_ws_kernel(
     # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
     # hands them to the partitions as tensors, and a branch on them would no longer be constexpr.
     if N_CONSUMERS == 3:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING, ROW_PAIRS) + consumer_args),
-                            (_consumer, (1, SPECULATIVE, KS_IN_RING, ROW_PAIRS) + consumer_args),
-                            (_consumer, (2, SPECULATIVE, KS_IN_RING, ROW_PAIRS) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args),
                             (_producer, (KS_IN_RING,) + producer_args)],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING, ROW_PAIRS) + consumer_args),
-                            (_consumer, (1, SPECULATIVE, KS_IN_RING, ROW_PAIRS) + consumer_args),
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
                             (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -590,8 +556,7 @@ class GluonWSForward:
         self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
                                    PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
-                                   KS_IN_RING=self._ks_in_ring,
-                                   ROW_PAIRS=gluon_ws_row_pair_products(), num_warps=4, enable_fp_fusion=FP_FUSION)
+                                   KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     @property
     def direct(self) -> bool:

@@ -273,14 +273,6 @@ class PrepassBuffers(NamedTuple):
 
 
 @triton.jit
-def _row_pair_max(x, BLOCK_M: tl.constexpr):
-    """x (BLOCK_M rows, BLOCK_M a multiple of 16 and the first row's index too) with rows i and
-    i ^ 8 both holding the larger of the two (:func:`quantize_q` says why)."""
-    pairs = tl.max(tl.reshape(x, (BLOCK_M // 16, 2, 8)), 1)
-    return tl.reshape(tl.broadcast_to(tl.expand_dims(pairs, 1), (BLOCK_M // 16, 2, 8)), (BLOCK_M,))
-
-
-@triton.jit
 def _quantize_q_kernel(
     q_ptr, ws_ptr, qq_ptr, qs_ptr, qkm_ptr,
     seq_len, head_dim, n_heads, group, q_pad, sm_scale, n_split,
@@ -312,7 +304,7 @@ def _quantize_q_kernel(
                 mask=in_bounds, other=0.0).to(tl.float32)
     k_mean = tl.load(stat)
     q_log2 = q * (sm_scale * LOG2E)
-    amax = _row_pair_max(tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20), BLOCK_M)
+    amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
     out_rows = (b * n_heads + h) * q_pad + rows
     tl.store(qq_ptr + out_rows[:, None] * D_PAD + cols[None, :],
              _round_half_away(q_log2 * (127.0 / amax)[:, None]).to(tl.int8))

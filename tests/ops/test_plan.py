@@ -322,18 +322,6 @@ def test_three_consumers_only_under_the_releases_that_build_them_unserialised(ve
         gluon_ws_consumers(128, 64, triton_version="main")
 
 
-@pytest.mark.parametrize("version,pairs", [("3.6.0", True), ("3.7.1", True), ("3.8.0", True), ("3.9.0", False),
-                                           ("3.10.0+git1234", False), ("4.0.0", False)])
-def test_row_pair_products_only_under_the_releases_that_build_them_without_spills(version, pairs):
-    # Triton 3.9 spills 180 bytes in the head-dim-128 consumer loop with them (the compile matrix
-    # fails on any such growth); a release that does not read gets the form every release builds.
-    from fsattn_diffusers.kernels.configs import gluon_ws_row_pair_products
-
-    assert gluon_ws_row_pair_products(triton_version=version) is pairs
-    with pytest.raises(ValueError, match="not a Triton version"):
-        gluon_ws_row_pair_products(triton_version="main")
-
-
 def test_triton_release_reads_the_installed_version_or_gives_none(monkeypatch):
     # The consumer count follows it; an installed Triton whose version does not read gets the
     # choice that builds cleanly under every release (None: two consumers), a given one raises.
