@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Internal: how this project runs a command on a lent GPU machine (a bare image with torch and
-# Triton, no network). Installs the wheels carried in .whl/ (diffusers and what the image lacks),
-# then this checkout, editable and without dependencies, and runs the command line it is given
-# from the repository root, with $OUT (where results go) defaulting to a fresh temporary folder.
+# Triton, no network). Installs the wheels carried in .whl/ (diffusers and what the image lacks)
+# and a Triton release carried in .triton/ (benchmarks/lease/pack_triton.sh), then this checkout,
+# editable and without dependencies, and runs the command line it is given from the repository
+# root, with $OUT (where results go) defaulting to a fresh temporary folder.
 #
 #   bash benchmarks/lease/run.sh python3 benchmarks/bench_attention.py --shapes wan13b_480p --out "$OUT/b.json"
 #   bash benchmarks/lease/run.sh bash -c 'pytest tests/kernels -m gpu -q && python3 benchmarks/pipe_probe.py --out $OUT/p.json'
@@ -26,6 +27,17 @@ if [ ${#wheels[@]} -gt 0 ]; then
   site=${FSATTN_LEASE_SITE:-/tmp/fsattn-lease-site}
   python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "${wheels[@]}"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+tritons=(.triton/triton-*.tar.xz)
+if [ ${#tritons[@]} -gt 1 ]; then
+  echo "benchmarks/lease/run.sh: carry one Triton release a call, found ${tritons[*]}" >&2
+  exit 2
+elif [ ${#tritons[@]} -eq 1 ]; then
+  # A release packed by benchmarks/lease/pack_triton.sh, first on the path, in place of the image's.
+  # Its entry points still name the AMD backend it left behind: find backends by folder instead.
+  tsite=${FSATTN_LEASE_TRITON:-/tmp/fsattn-lease-triton}
+  rm -rf "$tsite" && mkdir -p "$tsite" && tar xJf "${tritons[0]}" -C "$tsite"
+  export PYTHONPATH="$tsite${PYTHONPATH:+:$PYTHONPATH}" TRITON_BACKENDS_IN_TREE=1
 fi
 if ! log=$(python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1); then
   echo "$log" >&2
