@@ -40,7 +40,7 @@ def parts(q, k, v):
     per_kernel = collections.defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[e.name[:60]] += e.device_time / 1e3 / CALLS
+            per_kernel[e.name[:60]] += e.device_time_total / 1e3 / CALLS
     return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
 
 
