@@ -47,10 +47,13 @@ def parts(q, k, v):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", nargs="+", default=["cogvideox_d64", "wan13b_480p"])
     args = parser.parse_args()
     rows = []
     for name, (bsz, heads, seq, d, counts) in {"cogvideox_d64": (2, 48, 17776, 64, (2, 3)),
                                                 "wan13b_480p": (1, 12, 32760, 128, (2,))}.items():
+        if name not in args.shapes:
+            continue
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(bsz, seq, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(3))
