@@ -24,6 +24,9 @@ import functools
 
 import torch
 
+from .configs import FP_FUSION
+from .toolchain import sm90_ptxas
+
 _UNKEYED = object()
 # Keys remembered per kernel before starting afresh (each new one costs one pass through Triton).
 MAX_REMEMBERED = 512
@@ -141,15 +144,22 @@ class Relaunch:
             runner = runners[grid] = compiled[grid + (1,) * (3 - len(grid))]
         return runner
 
+    def _triton_launch(self, grid, args, meta):
+        """Triton's own path, which compiles on a first launch: with FP fusion stated (its default
+        turns off in Triton 3.10; configs.FP_FUSION) and the ptxas :func:`.toolchain.sm90_ptxas`
+        picks. Neither enters the key: both are the same for every launch of a process."""
+        with sm90_ptxas() as options:
+            return self.fn[grid](*args, **{"enable_fp_fusion": FP_FUSION, **options, **meta})
+
     def _launch(self, grid, *args, **meta):
         key = self._key(grid, args, meta)
         if key is None:
-            return self.fn[grid](*args, **meta)
+            return self._triton_launch(grid, args, meta)
         entry = self._compiled.get(key)
         if entry is not None:
             self._runner_of(entry, grid)(*args, *entry[1])
             return entry[0]
-        compiled = self.fn[grid](*args, **meta)
+        compiled = self._triton_launch(grid, args, meta)
         tail = self._tail(len(args), meta)
         if tail is not None and hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
             if len(self._compiled) >= MAX_REMEMBERED:

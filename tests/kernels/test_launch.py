@@ -75,6 +75,35 @@ def test_the_second_call_of_a_key_goes_straight_to_the_compiled_kernel_with_the_
     assert jit.log[1][1:] == ((4, 2, 1), (y, 32, 0.25, 16, True))
 
 
+def test_tritons_path_states_fp_fusion_unless_the_launch_does(jit):
+    # Triton 3.10 turns FP fusion off by default; the kernels' numerics assume it on (configs.FP_FUSION).
+    x = torch.zeros(64)
+    Relaunch(jit)[(4,)](x, 32, 0.5, BLOCK=16)
+    Relaunch(jit)[(4,)](x, 32, 0.5, BLOCK=32, enable_fp_fusion=False)
+    assert [entry[3]["enable_fp_fusion"] for entry in jit.log] == [True, False]
+
+
+def test_the_compile_options_of_the_sm90_ptxas_reach_tritons_path_and_not_the_key(jit, monkeypatch):
+    import contextlib
+
+    inside = []
+
+    @contextlib.contextmanager
+    def fake_sm90_ptxas():
+        inside.append(True)
+        yield {"ptx_version": 88}
+        inside.append(False)
+
+    monkeypatch.setattr(launch, "sm90_ptxas", fake_sm90_ptxas)
+    x = torch.zeros(64)
+    relaunch = Relaunch(jit)
+    relaunch[(4,)](x, 32, 0.5, BLOCK=16)
+    relaunch[(4,)](x, 32, 0.5, BLOCK=16)
+    assert _paths(jit) == ["triton", "direct"]  # the second call found the first's kernel
+    assert jit.log[0][3] == dict(enable_fp_fusion=True, ptx_version=88, BLOCK=16)
+    assert inside == [True, False]  # entered for the compile only
+
+
 def test_each_grid_gets_its_own_runner_built_once(jit):
     x = torch.zeros(64)
     relaunch = Relaunch(jit)
@@ -135,7 +164,7 @@ def test_a_bound_launch_goes_straight_to_the_compiled_kernel_after_its_first(jit
     bound(y, 32, 0.25)
     bound(x, 32, 0.125)
     assert _paths(jit) == ["triton", "direct", "direct"]
-    assert jit.log[0][1:] == ((4, 2), (x, 32, 0.5), dict(BLOCK=16, num_warps=4))
+    assert jit.log[0][1:] == ((4, 2), (x, 32, 0.5), dict(enable_fp_fusion=True, BLOCK=16, num_warps=4))
     assert jit.log[1][1:] == ((4, 2, 1), (y, 32, 0.25, 16, True))
 
 
