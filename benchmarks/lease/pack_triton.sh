@@ -4,8 +4,9 @@
 # users have (3.7.1 with torch 2.13, the newest). A wheel is 200-290 MB and a call carries at most
 # 64 MiB, so this keeps what compiling and launching for sm_90 needs: the Python package, the
 # stripped libtriton (its debug information is most of the wheel), the CUDA headers the launcher
-# is built against and the one ptxas that release runs for sm_90; it drops the AMD backend, CUPTI,
-# the other ptxas, the disassemblers and the MLIR headers. About 45-52 MB with xz.
+# is built against and the ptxas the kernels are built with for sm_90; it drops the AMD backend,
+# CUPTI, the disassemblers and the MLIR headers. About 45 MB (3.7.1) and 59 MB (3.9.0) with xz:
+# 3.9.0 leaves no room for .whl in the same call.
 #
 #   bash benchmarks/lease/pack_triton.sh 3.9.0     # writes .triton/triton-3.9.0.tar.xz
 #
@@ -28,16 +29,17 @@ mkdir "$work/pkg"
 python3 -m zipfile -e "$work"/triton-"$version"-*.whl "$work/pkg"
 t=$work/pkg/triton
 bin=$t/backends/nvidia/bin
-# Which ptxas compiles for sm_90: up to 3.8 `ptxas` (only sm_100 and later take
-# `ptxas-blackwell`), from 3.9 `ptxas-blackwell` for sm_90 too.
-if grep -q "arch < 90" "$t/backends/nvidia/compiler.py"; then keep=ptxas-blackwell
+# Which ptxas builds sm_90: up to 3.8 `ptxas` (only sm_100 and later take `ptxas-blackwell`);
+# 3.9 takes `ptxas-blackwell` for sm_90 too, and this project's kernels then take `ptxas` again
+# (fsattn_diffusers/kernels/toolchain.py), so 3.9 keeps both.
+if grep -q "arch < 90" "$t/backends/nvidia/compiler.py"; then keep="ptxas ptxas-blackwell"
 elif grep -q "arch >= 100 else knobs.nvidia.ptxas" "$t/backends/nvidia/compiler.py"; then keep=ptxas
 else
   echo "pack_triton.sh: cannot tell which ptxas Triton $version runs for sm_90 (get_ptxas in backends/nvidia/compiler.py)" >&2
   exit 1
 fi
-for f in "$bin"/*; do [ "$(basename "$f")" = "$keep" ] || rm -f "$f"; done
-chmod +x "$bin/$keep"  # zipfile drops the mode bits
+for f in "$bin"/*; do [[ " $keep " == *" $(basename "$f") "* ]] || rm -f "$f"; done
+chmod +x "$bin"/*  # zipfile drops the mode bits
 rm -rf "$t/backends/amd" "$t/backends/nvidia/lib/cupti"* "$t/include" "$t/instrumentation" "$t/plugins" "$t/FileCheck"
 find "$work/pkg" -name '*.a' -delete
 find "$work/pkg" -name '*.so*' -size +1M -exec strip --strip-all {} +
