@@ -69,13 +69,13 @@ def gluon_ws_ks_in_ring(d_pad: int) -> bool:
 
 
 # The last Triton release, as (major, minor), that builds the three-consumer forms of the
-# warp-specialised kernel (head dim 64; 64-key tiles) within their 160 registers a thread. Triton
-# 3.8.0 and 3.9.0 exceed those registers, and ptxas then serialises every wgmma of the build (its
-# C7512 note: each GEMM waits for the one before, inside the warpgroup's turn at the tensor cores);
-# two consumers (240 registers) build cleanly there. Later releases are taken to behave alike until
-# the compile matrix (tests/kernels/test_compile_matrix.py, which fails on any serialised build)
-# covers them. Seen in the compiler's report; not timed under 3.8 / 3.9 (benchmarks/NOTES.md v30 (f));
-# under 3.6 two consumers ran 6-8 % below three at head dim 64, bit-equal (v31 (a)).
+# warp-specialised kernel (head dim 64; 64-key tiles) within their 160 registers a thread. From
+# 3.8 Triton gives every GEMM whose operand is in registers its own copy of them, so a consumer
+# holds P twice (row sum and PV) while they run; with three consumers ptxas then serialises every
+# wgmma of the build (its C7512 note); two (240 registers) build cleanly. Later releases are taken
+# to behave alike until the compile matrix (tests/kernels/test_compile_matrix.py, which fails on any
+# serialised build) covers them. On the H200 under 3.9.0 three ran 15 % below two at head dim 64
+# (benchmarks/NOTES.md v33 (a)); under 3.6 two ran 6-8 % below three, bit-equal (v31 (a)).
 LAST_TRITON_WITH_THREE_CONSUMERS = (3, 7)
 
 
