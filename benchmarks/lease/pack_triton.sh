@@ -35,7 +35,8 @@ bin=$t/backends/nvidia/bin
 if grep -q "arch < 90" "$t/backends/nvidia/compiler.py"; then keep="ptxas ptxas-blackwell"
 elif grep -q "arch >= 100 else knobs.nvidia.ptxas" "$t/backends/nvidia/compiler.py"; then keep=ptxas
 else
-  echo "pack_triton.sh: cannot tell which ptxas Triton $version runs for sm_90 (get_ptxas in backends/nvidia/compiler.py)" >&2
+  echo "pack_triton.sh: cannot tell which ptxas Triton $version runs for sm_90" \
+    "(get_ptxas in backends/nvidia/compiler.py)" >&2
   exit 1
 fi
 for f in "$bin"/*; do [[ " $keep " == *" $(basename "$f") "* ]] || rm -f "$f"; done

@@ -3,7 +3,7 @@
 Triton 3.9 builds sm_90 code with the ptxas it ships for Blackwell (CUDA 13.4, Triton's knob
 ``nvidia.ptxas_blackwell``); 3.6-3.8 used their other ``ptxas`` (CUDA 12.8 or 12.9), which 3.9's
 wheel still carries. On the H200, 3.9's PTX of the warp-specialised kernel built by CUDA 13.4
-ran 8-10 % slower at head dim 64 and 0.5-3 % slower at head dim 128 than the same PTX built by
+ran 8-10 % slower at head dim 64 and 1-3 % slower at head dim 128 than the same PTX built by
 3.9's own CUDA 12.9 ptxas, at every shape timed (benchmarks/NOTES.md v33). So while one of this
 project's kernels compiles for sm_90 (the first launch of each specialisation,
 :class:`.launch.Relaunch`), :func:`sm90_ptxas` points that knob at the CUDA 12 ptxas, provided:
