@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import traceback
 from unittest import mock
 
 import torch
@@ -21,20 +23,54 @@ import torch
 def launch(scenarios: dict, world_size: int, device_type: str, out_dir) -> dict:
     """Run `scenarios` (name -> keyword options) in turn on `world_size` spawned ranks; return rank 0's
     results by name. A name is a function of SCENARIOS, or any name with the function's name as the
-    option ``scenario``. One spawn for several scenarios: starting a rank (torch, diffusers) costs seconds."""
+    option ``scenario``. One spawn for several scenarios: starting a rank (torch, diffusers) costs seconds.
+
+    Each rank writes its standard error (Python's and the C++ libraries') to ``rank<N>.log`` in
+    `out_dir`, with faulthandler's stacks if it dies by a signal; a failure carries those logs.
+    A rank killed by a signal is retried once, with a warning that holds the logs: on two loaded
+    cores gloo's CPU transport has aborted a rank (SIGABRT, no Python error) in one CI run out
+    of many, in a spawn that passed unchanged before and after. A rank that raises, or a signal
+    twice, fails the test."""
+    import warnings
+
     import torch.multiprocessing as mp
 
     out_dir = str(out_dir)
-    init_file = os.path.join(out_dir, "rendezvous")
-    if os.path.exists(init_file):
-        os.remove(init_file)  # a leftover file would join this run to a finished one
-    mp.spawn(_worker, args=(world_size, device_type, init_file, scenarios, out_dir), nprocs=world_size, join=True)
+    for attempt in (1, 2):
+        init_file = os.path.join(out_dir, "rendezvous")
+        if os.path.exists(init_file):
+            os.remove(init_file)  # a leftover file would join this run to a finished one
+        try:
+            mp.spawn(_worker, args=(world_size, device_type, init_file, scenarios, out_dir), nprocs=world_size,
+                     join=True)
+            break
+        except mp.ProcessExitedException as err:
+            logs = _rank_logs(out_dir, world_size)
+            if attempt == 2:
+                raise RuntimeError(f"{err} (twice); the ranks' standard error:\n{logs}") from err
+            warnings.warn(f"{err}; retrying the spawn once. The ranks' standard error:\n{logs}", stacklevel=2)
+        except mp.ProcessRaisedException as err:
+            raise RuntimeError(f"{err}\nThe ranks' standard error:\n{_rank_logs(out_dir, world_size)}") from err
     return torch.load(os.path.join(out_dir, "result.pt"), weights_only=False)
 
 
+def _rank_logs(out_dir: str, world_size: int) -> str:
+    parts = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.log")
+        text = open(path, errors="replace").read()[-4000:] if os.path.exists(path) else "(no log)"
+        parts.append(f"--- rank {rank} ---\n{text.strip() or '(empty)'}")
+    return "\n".join(parts)
+
+
 def _worker(rank, world_size, device_type, init_file, scenarios, out_dir):
+    import faulthandler
+
     import torch.distributed as dist
 
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 2)  # the C++ side (gloo, c10) writes to file descriptor 2 before an abort
+    faulthandler.enable(file=log, all_threads=True)
     if device_type == "cpu":
         os.environ["FSATTN_CPU_PATH"] = "emulation"
         torch.set_num_threads(1)  # one core per rank: CI has two
@@ -52,6 +88,10 @@ def _worker(rank, world_size, device_type, init_file, scenarios, out_dir):
         if rank == 0:
             torch.save(result, os.path.join(out_dir, "result.pt"))
         dist.barrier()
+    except BaseException:
+        # spawn reports the first rank to fail, often a peer that lost its connection to this one
+        traceback.print_exc()
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -344,5 +384,16 @@ def fallbacks(rank, world_size, device):
     return result
 
 
+def crash(rank, world_size, device, *, how, on_rank):
+    """Rank `on_rank` dies (``how="abort"``: SIGABRT, as gloo's abort does; ``"raise"``: a Python
+    error); the others return. For the tests of :func:`launch`'s failure reports."""
+    if rank == on_rank:
+        print(f"rank {rank} about to {how}", file=sys.stderr, flush=True)
+        if how == "abort":
+            os.abort()
+        raise ValueError(f"rank {rank} raised on purpose")
+    return {}
+
+
 SCENARIOS = {"wan_model": wan_model, "ltx_model": ltx_model, "ring_attention": ring_attention,
-             "fallbacks": fallbacks}
+             "fallbacks": fallbacks, "crash": crash}
