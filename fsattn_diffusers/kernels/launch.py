@@ -15,7 +15,9 @@ strides, the keyword arguments (constexprs and launch options) by value, and the
 An argument of any other type is not keyed: that call, and every call with it, takes Triton's path.
 The first call of each key also takes Triton's path, so compilation, its errors and the disk
 cache are Triton's own; only calls on CUDA tensors are remembered (the interpreter and
-ahead-of-time compilation, which launch nothing, always take Triton's path).
+ahead-of-time compilation, which launch nothing, always take Triton's path). Triton's path is
+given two things the caller does not pass: FP fusion, stated (configs.FP_FUSION), and under
+Triton 3.9 on sm_90 the ptxas of :mod:`.toolchain` with its PTX version.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import functools
 import torch
 
 from .configs import FP_FUSION
-from .toolchain import sm90_ptxas
+from .toolchain import building_with_sm90_ptxas
 
 _UNKEYED = object()
 # Keys remembered per kernel before starting afresh (each new one costs one pass through Triton).
@@ -74,7 +76,8 @@ def _on_cuda(args) -> bool:
 
 
 class Relaunch:
-    """``Relaunch(fn)[grid](*args, **meta)`` launches as ``fn[grid](*args, **meta)`` does.
+    """``Relaunch(fn)[grid](*args, **meta)`` launches as ``fn[grid](*args, **meta)`` does, with
+    the two additions to Triton's path that the module docstring names.
 
     `args` are the kernel's runtime parameters, positionally and in order; `meta` holds its
     constexprs and launch options (``num_warps``, ...) by name. Calls that pass a runtime
@@ -146,9 +149,10 @@ class Relaunch:
 
     def _triton_launch(self, grid, args, meta):
         """Triton's own path, which compiles on a first launch: with FP fusion stated (its default
-        turns off in Triton 3.10; configs.FP_FUSION) and the ptxas :func:`.toolchain.sm90_ptxas`
-        picks. Neither enters the key: both are the same for every launch of a process."""
-        with sm90_ptxas() as options:
+        turns off in Triton 3.10; configs.FP_FUSION) and the ptxas that
+        :func:`.toolchain.building_with_sm90_ptxas` picks. Neither enters the key: a kernel once
+        compiled keeps what it was built with for the rest of the process."""
+        with building_with_sm90_ptxas() as options:
             return self.fn[grid](*args, **{"enable_fp_fusion": FP_FUSION, **options, **meta})
 
     def _launch(self, grid, *args, **meta):

@@ -6,19 +6,26 @@ wheel still carries. On the H200, 3.9's PTX of the warp-specialised kernel built
 ran 8-10 % slower at head dim 64 and 1-3 % slower at head dim 128 than the same PTX built by
 3.9's own CUDA 12.9 ptxas, at every shape timed (benchmarks/NOTES.md v33). So while one of this
 project's kernels compiles for sm_90 (the first launch of each specialisation,
-:class:`.launch.Relaunch`), :func:`sm90_ptxas` points that knob at the CUDA 12 ptxas, provided:
+:class:`.launch.Relaunch`), :func:`building_with_sm90_ptxas` points that knob at the CUDA 12
+ptxas, provided:
 
 - the running Triton builds sm_90 with a ptxas other than its ``ptxas`` (3.9 on; earlier
   releases need nothing),
-- that ``ptxas`` is from CUDA 12 (the one measured), and
-- the user has not chosen the ptxas (``TRITON_PTXAS_BLACKWELL_PATH`` unset when this is first
-  asked: their choice stands, for these kernels too).
+- that ``ptxas`` is CUDA 12.8 or a later 12.x (12.8 and 12.9 measured alike; with
+  ``TRITON_PTXAS_PATH`` it may be another), and
+- the user has not chosen the sm_90 ptxas (``TRITON_PTXAS_BLACKWELL_PATH``, or
+  ``triton.knobs.nvidia.ptxas_blackwell`` set in code; checked at every compile): their choice
+  stands, for these kernels too.
 
 Other launches, other targets, the interpreter, and a Triton whose compiler does not expose the
 pieces named here, compile exactly as Triton would. The knob is set only for the duration of
-the compile (``knobs.nvidia.scope()``): the user's own kernels keep Triton's choice. The PTX
-version goes with it as a compile option: Triton caches the LLVM features it derives from the
-ptxas version per set of options, and a cached PTX 9.0 target would not suit a CUDA 12 ptxas.
+the compile (``knobs.nvidia.scope()``, one compile at a time across threads): the user's own
+kernels keep Triton's choice. Triton's asynchronous compile mode, which compiles after the
+launch call returns, would not see the knob; these kernels do not use it. The PTX version goes
+with the ptxas as a compile option: Triton caches the LLVM features it derives from the ptxas
+version per set of options, and a cached PTX 9.0 target would not suit a CUDA 12 ptxas. Being an
+option, it is part of Triton's on-disk cache key too, so these kernels' cache entries under 3.9
+are their own and never mix with ones built by the CUDA 13 ptxas.
 """
 
 from __future__ import annotations
@@ -26,58 +33,86 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
-# The ptxas version that the choice above was measured with.
-MEASURED_MAJOR = "12"
+# The CUDA 12 ptxas releases the choice above was measured with start here.
+MEASURED_FROM = (12, 8)
+# knobs.nvidia.scope() restores what it found on entry: two blocks at once in two threads would
+# leave one's setting behind. Reentrant: a launch inside a launch's block stays possible.
+_ONE_COMPILE_AT_A_TIME = threading.RLock()
 
 
-def choose(user_path: str | None, chosen, cuda12, ptx_version_of) -> tuple[str, int] | None:
-    """The rule of the module docstring: `user_path` is ``TRITON_PTXAS_BLACKWELL_PATH``, `chosen`
-    the ptxas Triton builds sm_90 with and `cuda12` its ``ptxas`` (each with ``path`` and
-    ``version``, "12.9"), `ptx_version_of` Triton's PTX version of a CUDA version; returns (path,
-    PTX version) of the ptxas to build with, or None to leave Triton's choice."""
-    if user_path or chosen.path == cuda12.path or cuda12.version.split(".")[0] != MEASURED_MAJOR:
+def choose(chosen, cuda12, ptx_version_of) -> tuple[str, int] | None:
+    """The rule of the module docstring, past the user's choice: `chosen` is the ptxas Triton builds
+    sm_90 with and `cuda12` its ``ptxas`` (each with ``path`` and ``version``, "12.9"),
+    `ptx_version_of` Triton's PTX version of a CUDA version; returns (path, PTX version) of the
+    ptxas to build with, or None to leave Triton's choice."""
+    if chosen.path == cuda12.path:
+        return None
+    try:
+        major, minor = (int(part) for part in cuda12.version.split(".")[:2])
+    except ValueError:
+        return None
+    if major != MEASURED_FROM[0] or minor < MEASURED_FROM[1]:
         return None
     return cuda12.path, ptx_version_of(cuda12.version)
 
 
 @functools.lru_cache(maxsize=1)
-def cuda12_ptxas_for_sm90() -> tuple[str, int] | None:
-    """:func:`choose` for the running Triton, decided once per process."""
-    try:
-        from triton import knobs
-        from triton.backends.nvidia import compiler
+def tritons_cuda12_ptxas_for_sm90() -> tuple[str, int] | None:
+    """:func:`choose` for the running Triton's own tools, decided once per process (a failure, such
+    as a wheel without a ptxas, raises and is not remembered)."""
+    from triton import knobs
+    from triton.backends.nvidia import compiler
 
-        return choose(os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"), compiler.get_ptxas(90), knobs.nvidia.ptxas,
-                      compiler.ptx_get_version)
+    return choose(compiler.get_ptxas(90), knobs.nvidia.ptxas, compiler.ptx_get_version)
+
+
+def user_chose_sm90_ptxas() -> bool:
+    from triton import knobs
+
+    return bool(os.environ.get("TRITON_PTXAS_BLACKWELL_PATH")) or "ptxas_blackwell" in vars(knobs.nvidia)
+
+
+def cuda12_ptxas_for_sm90() -> tuple[str, int] | None:
+    """(path, PTX version) of the ptxas these kernels build sm_90 with, or None for Triton's choice."""
+    try:
+        return None if user_chose_sm90_ptxas() else tritons_cuda12_ptxas_for_sm90()
     except Exception:  # noqa: BLE001 - a release without these pieces (or without a ptxas): Triton decides
         return None
 
 
-def _compiles_for_sm90() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    try:
-        from triton.runtime import driver
+def _current_target():
+    from triton.runtime import driver
 
-        target = driver.active.get_current_target()
+    return driver.active.get_current_target()
+
+
+def _compiles_for_sm90() -> bool:
+    try:
+        from triton import knobs
+
+        if knobs.runtime.interpret:
+            return False
+        target = _current_target()
     except Exception:  # noqa: BLE001 - no GPU driver: nothing compiles for a GPU
         return False
     return getattr(target, "backend", None) == "cuda" and getattr(target, "arch", None) == 90
 
 
 @contextlib.contextmanager
-def sm90_ptxas():
+def building_with_sm90_ptxas():
     """Within the block, a kernel that compiles for sm_90 is built by :func:`cuda12_ptxas_for_sm90`'s
     ptxas where that is not None; yields the compile options that go with it (its PTX version;
     empty where nothing changes)."""
-    choice = cuda12_ptxas_for_sm90() if _compiles_for_sm90() else None
-    if choice is None:
-        yield {}
-        return
-    from triton import knobs
+    if _compiles_for_sm90():
+        with _ONE_COMPILE_AT_A_TIME:  # the check and the knob together: another thread's block sets it
+            cuda12 = cuda12_ptxas_for_sm90()
+            if cuda12 is not None:
+                from triton import knobs
 
-    path, ptx_version = choice
-    with knobs.nvidia.scope():
-        knobs.nvidia.ptxas_blackwell = path
-        yield {"ptx_version": ptx_version}
+                with knobs.nvidia.scope():
+                    knobs.nvidia.ptxas_blackwell = cuda12[0]
+                    yield {"ptx_version": cuda12[1]}
+                return
+    yield {}

@@ -6,6 +6,7 @@ kernel test launches through Relaunch) check the launches themselves.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -54,10 +55,18 @@ class _JitFunction:
         return run
 
 
+@contextlib.contextmanager
+def _no_ptxas_change():
+    yield {}
+
+
 @pytest.fixture
 def jit(monkeypatch):
     monkeypatch.setattr(launch, "_on_cuda", lambda args: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # The installed Triton on a Hopper GPU would add its ptxas options (test below); the other
+    # tests check the launch alone.
+    monkeypatch.setattr(launch, "building_with_sm90_ptxas", _no_ptxas_change)
     return _JitFunction()
 
 
@@ -84,24 +93,31 @@ def test_tritons_path_states_fp_fusion_unless_the_launch_does(jit):
 
 
 def test_the_compile_options_of_the_sm90_ptxas_reach_tritons_path_and_not_the_key(jit, monkeypatch):
-    import contextlib
+    events = []
 
-    inside = []
+    class EventJit(_JitFunction):
+        def __getitem__(self, grid):
+            run = super().__getitem__(grid)
+
+            def compile_and_launch(*args, **meta):
+                events.append("triton")
+                return run(*args, **meta)
+            return compile_and_launch
 
     @contextlib.contextmanager
-    def fake_sm90_ptxas():
-        inside.append(True)
+    def fake_building_with_sm90_ptxas():
+        events.append("enter")
         yield {"ptx_version": 88}
-        inside.append(False)
+        events.append("exit")
 
-    monkeypatch.setattr(launch, "sm90_ptxas", fake_sm90_ptxas)
-    x = torch.zeros(64)
-    relaunch = Relaunch(jit)
+    monkeypatch.setattr(launch, "building_with_sm90_ptxas", fake_building_with_sm90_ptxas)
+    fn, x = EventJit(), torch.zeros(64)
+    relaunch = Relaunch(fn)
     relaunch[(4,)](x, 32, 0.5, BLOCK=16)
     relaunch[(4,)](x, 32, 0.5, BLOCK=16)
-    assert _paths(jit) == ["triton", "direct"]  # the second call found the first's kernel
-    assert jit.log[0][3] == dict(enable_fp_fusion=True, ptx_version=88, BLOCK=16)
-    assert inside == [True, False]  # entered for the compile only
+    assert _paths(fn) == ["triton", "direct"]  # the second call found the first's kernel
+    assert fn.log[0][3] == dict(enable_fp_fusion=True, ptx_version=88, BLOCK=16)
+    assert events == ["enter", "triton", "exit"]  # Triton's path ran inside the block, and only it
 
 
 def test_each_grid_gets_its_own_runner_built_once(jit):
