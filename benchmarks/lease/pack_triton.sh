@@ -8,7 +8,8 @@
 # CUPTI, the disassemblers and the MLIR headers. About 45 MB (3.7.1) and 59 MB (3.9.0) with xz:
 # 3.9.0 leaves no room for .whl in the same call.
 #
-#   bash benchmarks/lease/pack_triton.sh 3.9.0     # writes .triton/triton-3.9.0.tar.xz
+#   bash benchmarks/lease/pack_triton.sh 3.9.0     # writes .triton/triton-3.9.0.tar.xz, removes
+#                                                  # any other release packed there
 #
 # benchmarks/lease/run.sh unpacks a carried .triton/triton-*.tar.xz first on PYTHONPATH; name
 # ".triton" in the call's carry (one release per call; leave out ".whl" if the two do not fit).
@@ -26,7 +27,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   -d "$work" "triton==$version"
 mkdir "$work/pkg"
-python3 -m zipfile -e "$work"/triton-"$version"-*.whl "$work/pkg"
+python3 -m zipfile -e "$work"/triton-*.whl "$work/pkg"
 t=$work/pkg/triton
 bin=$t/backends/nvidia/bin
 # Which ptxas builds sm_90: up to 3.8 `ptxas` (only sm_100 and later take `ptxas-blackwell`);
@@ -46,5 +47,6 @@ find "$work/pkg" -name '*.a' -delete
 find "$work/pkg" -name '*.so*' -size +1M -exec strip --strip-all {} +
 # The dist-info's entry points still name the AMD backend: run.sh sets TRITON_BACKENDS_IN_TREE.
 mkdir -p .triton
+rm -f .triton/triton-*.tar.xz  # run.sh takes one release a call: this one replaces any other
 (cd "$work/pkg" && tar cf - .) | xz -9e -T0 > ".triton/triton-$version.tar.xz"
 ls -l ".triton/triton-$version.tar.xz"
