@@ -136,9 +136,6 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # against float64 on randn 3.55 -> 3.57 %). NOTES v28.
 SPEC_OFFSET = gl.constexpr(4.0)
 SPECULATIVE_MAX = True
-# EXPERIMENT (NOTES v34): the saturation vote before the tile's GEMMs are issued; a saturated tile
-# takes its P from the true max (SPECULATIVE == 2 in the kernel). Patched by the probe.
-VOTE_EARLY = False
 
 
 @gluon.jit
@@ -330,28 +327,6 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
 
 
 @gluon.jit
-def _true_words_if_saturated(c: gl.constexpr, words, flags, ks, qs, m, acc, l_acc, q_tile, k_tile, n_tiles,
-                             p_layout: gl.constexpr):
-    """The vote before any GEMM of the tile is issued (the accumulators have settled): a saturated
-    tile takes its scores again and its P words from the true max, and the accumulators are
-    rescaled to it. No GEMM of the tile is in flight across the branch, which Triton 3.8 on needs
-    for three consumers to build unserialised (NOTES v34)."""
-    if _any_flag(flags, c, n_tiles):
-        s_layout: gl.constexpr = l_acc.type.layout.parent
-        ROWS: gl.constexpr = q_tile.shape[0]
-        BLOCK_N: gl.constexpr = k_tile.shape[0]
-        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
-                              use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
-        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
-        acc, l_acc = _rescaled(acc, l_acc, gl.exp2(m - m_new))
-        m = m_new
-        words, flags = _to_fp8_words(_in_wgmma_order(_p_from(pre, qs, m), p_layout))
-    return words, m, acc, l_acc
-
-
-@gluon.jit
 def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
     """One tile's P (FP8, PV operand layout) with the online max: the new running max and the
     rescaled accumulators (the Triton kernel's numerics)."""
@@ -416,13 +391,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         if KS_IN_RING:  # this stage's ready wait was in the previous iteration (or before the loop)
             ks = ks_smem.index(stage).load(col_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        if SPECULATIVE == 2:
-            words, flags = _to_fp8_words(_in_wgmma_order(_p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m),
-                                                         p_o_layout))
-            words, m, acc, l_acc = _true_words_if_saturated(c, words, flags, ks, qs, m, acc, l_acc, q_tile,
-                                                            k_smem.index(stage), n_tiles, p_o_layout)
-            p8 = _words_to_fp8(words)
-        elif SPECULATIVE:
+        if SPECULATIVE:
             p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
         else:
             p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
@@ -433,7 +402,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                               use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        if SPECULATIVE == 1:
+        if SPECULATIVE:
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
@@ -451,13 +420,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     if KS_IN_RING:
         ks = ks_smem.index(stage).load(col_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    if SPECULATIVE == 2:
-        words, flags = _to_fp8_words(_in_wgmma_order(_p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m),
-                                                     p_o_layout))
-        words, m, acc, l_acc = _true_words_if_saturated(c, words, flags, ks, qs, m, acc, l_acc, q_tile,
-                                                        k_smem.index(stage), n_tiles, p_o_layout)
-        p8 = _words_to_fp8(words)
-    elif SPECULATIVE:
+    if SPECULATIVE:
         p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
     else:
         p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
@@ -465,7 +428,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
-    if SPECULATIVE == 1:
+    if SPECULATIVE:
         m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
@@ -592,8 +555,7 @@ class GluonWSForward:
         self._block_n = block_n
         self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
-                                   PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=(2 if VOTE_EARLY else 1) if speculative else 0,
-                                   N_CONSUMERS=consumers,
+                                   PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
                                    KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     @property
