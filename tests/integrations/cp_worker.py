@@ -26,31 +26,39 @@ def launch(scenarios: dict, world_size: int, device_type: str, out_dir) -> dict:
     option ``scenario``. One spawn for several scenarios: starting a rank (torch, diffusers) costs seconds.
 
     Each rank writes its standard error (Python's and the C++ libraries') to ``rank<N>.log`` in
-    `out_dir`, with faulthandler's stacks if it dies by a signal; a failure carries those logs.
-    A rank killed by a signal is retried once, with a warning that holds the logs: on two loaded
-    cores gloo's CPU transport has aborted a rank (SIGABRT, no Python error) in one CI run out
-    of many, in a spawn that passed unchanged before and after. A rank that raises, or a signal
-    twice, fails the test."""
+    `out_dir`, with faulthandler's stacks if it dies by a signal (the SIGTERM that spawn sends the
+    other ranks after a failure included); a failure carries those logs. Where a rank died by a
+    signal of its own (not spawn's SIGTERM or SIGKILL), whichever rank spawn reported first, the
+    spawn is retried once, with a warning that holds the logs: on two loaded cores gloo's CPU
+    transport aborted a rank (SIGABRT, no Python error) in one CI run, in a spawn that passes
+    unchanged on this code otherwise. Anything else, or a signal twice, fails the test."""
+    import signal
     import warnings
 
     import torch.multiprocessing as mp
 
     out_dir = str(out_dir)
+    spawns_own = {-signal.SIGTERM, -signal.SIGKILL}
     for attempt in (1, 2):
         init_file = os.path.join(out_dir, "rendezvous")
         if os.path.exists(init_file):
             os.remove(init_file)  # a leftover file would join this run to a finished one
+        context = mp.start_processes(_worker, args=(world_size, device_type, init_file, scenarios, out_dir),
+                                     nprocs=world_size, join=False, start_method="spawn")
         try:
-            mp.spawn(_worker, args=(world_size, device_type, init_file, scenarios, out_dir), nprocs=world_size,
-                     join=True)
+            while not context.join():
+                pass
             break
-        except mp.ProcessExitedException as err:
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
+            codes = [process.exitcode for process in context.processes]
             logs = _rank_logs(out_dir, world_size)
-            if attempt == 2:
-                raise RuntimeError(f"{err} (twice); the ranks' standard error:\n{logs}") from err
-            warnings.warn(f"{err}; retrying the spawn once. The ranks' standard error:\n{logs}", stacklevel=2)
-        except mp.ProcessRaisedException as err:
-            raise RuntimeError(f"{err}\nThe ranks' standard error:\n{_rank_logs(out_dir, world_size)}") from err
+            signalled = any(code is not None and code < 0 and code not in spawns_own for code in codes)
+            if signalled and attempt == 1:
+                warnings.warn(f"{err.__class__.__name__}: {err}; exit codes {codes}; retrying the spawn once. "
+                              f"The ranks' standard error:\n{logs}", stacklevel=2)
+                continue
+            again = " (the second spawn)" if attempt == 2 else ""
+            raise RuntimeError(f"{err}{again}; exit codes {codes}; the ranks' standard error:\n{logs}") from err
     return torch.load(os.path.join(out_dir, "result.pt"), weights_only=False)
 
 
@@ -58,19 +66,25 @@ def _rank_logs(out_dir: str, world_size: int) -> str:
     parts = []
     for rank in range(world_size):
         path = os.path.join(out_dir, f"rank{rank}.log")
-        text = open(path, errors="replace").read()[-4000:] if os.path.exists(path) else "(no log)"
-        parts.append(f"--- rank {rank} ---\n{text.strip() or '(empty)'}")
+        text = "(no log)"
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                text = f.read()[-4000:].strip() or "(empty)"
+        parts.append(f"--- rank {rank} ---\n{text}")
     return "\n".join(parts)
 
 
 def _worker(rank, world_size, device_type, init_file, scenarios, out_dir):
     import faulthandler
+    import signal
 
     import torch.distributed as dist
 
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")  # noqa: SIM115 - open for the process's life
     os.dup2(log.fileno(), 2)  # the C++ side (gloo, c10) writes to file descriptor 2 before an abort
     faulthandler.enable(file=log, all_threads=True)
+    # where this rank is the one spawn terminates after another's failure: where it was waiting
+    faulthandler.register(signal.SIGTERM, file=log, all_threads=True, chain=True)
     if device_type == "cpu":
         os.environ["FSATTN_CPU_PATH"] = "emulation"
         torch.set_num_threads(1)  # one core per rank: CI has two
