@@ -70,8 +70,9 @@ def gluon_ws_ks_in_ring(d_pad: int) -> bool:
 
 # The last Triton release, as (major, minor), that builds the three-consumer forms of the
 # warp-specialised kernel (head dim 64; 64-key tiles) within their 160 registers a thread. From
-# 3.8 Triton gives every GEMM whose operand is in registers its own copy of them, so a consumer
-# holds P twice (row sum and PV) while they run; with three consumers ptxas then serialises every
+# 3.8 Triton gives every GEMM whose operand is in registers its own copy of them, and with three
+# consumers ptxas can no longer place the saturation correction's wait (in one branch) for such
+# GEMMs in flight (NOTES v34: without the row-sum GEMM it still fails); it then serialises every
 # wgmma of the build (its C7512 note); two (240 registers) build cleanly. Later releases are taken
 # to behave alike until the compile matrix (tests/kernels/test_compile_matrix.py, which fails on any
 # serialised build) covers them. On the H200 under 3.9.0 three ran 15 % below two at head dim 64

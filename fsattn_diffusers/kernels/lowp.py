@@ -10,13 +10,12 @@ are the plain hardware conversions.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+from triton import knobs
 
-# Read once at import, like Triton itself does.
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Read once at import, as Triton's own reading of TRITON_INTERPRET (any of its true spellings).
+IN_INTERPRETER = bool(knobs.runtime.interpret)
 
 # Globals a @triton.jit function reads must be tl.constexpr.
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -17,15 +17,18 @@ ptxas, provided:
   ``triton.knobs.nvidia.ptxas_blackwell`` set in code; checked at every compile): their choice
   stands, for these kernels too.
 
-Other launches, other targets, the interpreter, and a Triton whose compiler does not expose the
-pieces named here, compile exactly as Triton would. The knob is set only for the duration of
-the compile (``knobs.nvidia.scope()``, one compile at a time across threads): the user's own
-kernels keep Triton's choice. Triton's asynchronous compile mode, which compiles after the
-launch call returns, would not see the knob; these kernels do not use it. The PTX version goes
-with the ptxas as a compile option: Triton caches the LLVM features it derives from the ptxas
-version per set of options, and a cached PTX 9.0 target would not suit a CUDA 12 ptxas. Being an
-option, it is part of Triton's on-disk cache key too, so these kernels' cache entries under 3.9
-are their own and never mix with ones built by the CUDA 13 ptxas.
+Other launches, other targets, the interpreter, Triton's asynchronous compile mode (which
+compiles after the launch call returns, outside the block), and a Triton whose compiler does not
+expose the pieces named here, compile exactly as Triton would. The knob is set only for the
+duration of the block, in Triton's knob object alone (not in the environment, so no subprocess
+inherits it), one block at a time across threads: the user's own kernels keep Triton's choice,
+unless another thread compiles one at that very moment (the knob object is the process's).
+The PTX version goes with the ptxas as a compile option: Triton caches the LLVM features it
+derives from the ptxas version per set of options, and a cached PTX 9.0 target would not suit a
+CUDA 12 ptxas. Being an option, it is part of Triton's on-disk cache key too, so these kernels'
+cache entries under 3.9 are their own and never mix with ones built by the CUDA 13 ptxas. (Triton
+also keys every build on the version string of the first sm_90 ptxas it asked in the process, so
+which kernel compiles first changes the keys of the others, never what they are built with.)
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ import threading
 
 # The CUDA 12 ptxas releases the choice above was measured with start here.
 MEASURED_FROM = (12, 8)
-# knobs.nvidia.scope() restores what it found on entry: two blocks at once in two threads would
-# leave one's setting behind. Reentrant: a launch inside a launch's block stays possible.
+# One block at a time across threads: the knob is the process's, and a block ends by removing it.
+# Reentrant, with the options of the block a thread is in kept per thread: a launch inside a
+# launch's block builds as the outer one does (the knob it finds set is this module's, not the user's).
 _ONE_COMPILE_AT_A_TIME = threading.RLock()
+_inside = threading.local()
 
 
 def choose(chosen, cuda12, ptx_version_of) -> tuple[str, int] | None:
@@ -92,7 +97,7 @@ def _compiles_for_sm90() -> bool:
     try:
         from triton import knobs
 
-        if knobs.runtime.interpret:
+        if knobs.runtime.interpret or _compiling_asynchronously():
             return False
         target = _current_target()
     except Exception:  # noqa: BLE001 - no GPU driver: nothing compiles for a GPU
@@ -100,19 +105,36 @@ def _compiles_for_sm90() -> bool:
     return getattr(target, "backend", None) == "cuda" and getattr(target, "arch", None) == 90
 
 
+def _compiling_asynchronously() -> bool:
+    try:
+        from triton.runtime._async_compile import active_mode
+    except ImportError:  # a release without the mode
+        return False
+    return active_mode.get() is not None
+
+
 @contextlib.contextmanager
 def building_with_sm90_ptxas():
     """Within the block, a kernel that compiles for sm_90 is built by :func:`cuda12_ptxas_for_sm90`'s
     ptxas where that is not None; yields the compile options that go with it (its PTX version;
     empty where nothing changes)."""
+    outer = getattr(_inside, "options", None)
+    if outer is not None:
+        yield dict(outer)
+        return
     if _compiles_for_sm90():
         with _ONE_COMPILE_AT_A_TIME:  # the check and the knob together: another thread's block sets it
             cuda12 = cuda12_ptxas_for_sm90()
             if cuda12 is not None:
                 from triton import knobs
 
-                with knobs.nvidia.scope():
-                    knobs.nvidia.ptxas_blackwell = cuda12[0]
-                    yield {"ptx_version": cuda12[1]}
+                # Set as Triton's setter would, without its environment variable; removed after.
+                vars(knobs.nvidia)["ptxas_blackwell"] = cuda12[0]
+                _inside.options = {"ptx_version": cuda12[1]}
+                try:
+                    yield dict(_inside.options)
+                finally:
+                    _inside.options = None
+                    vars(knobs.nvidia).pop("ptxas_blackwell", None)
                 return
     yield {}

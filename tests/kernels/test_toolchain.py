@@ -85,7 +85,11 @@ def test_what_the_rule_decides_for_the_installed_triton(monkeypatch):
     if release <= (3, 8):
         assert decided is None
     elif release == (3, 9):
-        assert decided == (cuda12, 88)
+        from triton.backends.nvidia import compiler
+
+        assert os.path.basename(compiler.get_ptxas(90).path) == "ptxas-blackwell"  # Triton's own choice
+        assert decided == (cuda12, 88) and os.path.basename(decided[0]) == "ptxas"
+        assert decided[0] != knobs.nvidia.ptxas_blackwell.path
     else:  # a newer release: whatever it chose, never a ptxas outside the measured CUDA 12 range
         assert decided is None or (decided[0] == cuda12 and 87 <= decided[1] < 90)
 
@@ -101,6 +105,10 @@ def test_the_knob_points_at_the_chosen_ptxas_inside_the_block_only(monkeypatch):
     monkeypatch.setattr(toolchain, "tritons_cuda12_ptxas_for_sm90", lambda: (cuda12, 88))
     with toolchain.building_with_sm90_ptxas() as options:
         assert options == {"ptx_version": 88}
+        assert knobs.nvidia.ptxas_blackwell.path == cuda12
+        assert "TRITON_PTXAS_BLACKWELL_PATH" not in os.environ  # no subprocess inherits it
+        with toolchain.building_with_sm90_ptxas() as inner:  # a launch inside a launch's block
+            assert inner == {"ptx_version": 88} and knobs.nvidia.ptxas_blackwell.path == cuda12
         assert knobs.nvidia.ptxas_blackwell.path == cuda12
     assert knobs.nvidia.ptxas_blackwell.path == blackwell
     assert "ptxas_blackwell" not in vars(knobs.nvidia) and "TRITON_PTXAS_BLACKWELL_PATH" not in os.environ
@@ -153,3 +161,17 @@ def test_only_a_compile_for_sm90_outside_the_interpreter_counts(monkeypatch, int
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     monkeypatch.setattr(toolchain, "_current_target", lambda: SimpleNamespace(backend=backend, arch=arch))
     assert toolchain._compiles_for_sm90() is expected
+
+
+def test_an_asynchronous_compile_is_left_to_triton(monkeypatch):
+    # Under Triton's asynchronous compile mode the build runs after the launch returns, outside the block.
+    _triton_knobs()
+    async_compile = pytest.importorskip("triton.runtime._async_compile")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(toolchain, "_current_target", lambda: SimpleNamespace(backend="cuda", arch=90))
+    assert toolchain._compiles_for_sm90() is True
+    token = async_compile.active_mode.set(object())
+    try:
+        assert toolchain._compiles_for_sm90() is False
+    finally:
+        async_compile.active_mode.reset(token)
