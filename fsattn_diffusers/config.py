@@ -83,8 +83,8 @@ class FSAttnConfig:
         Tile sizes (query rows per program, keys per tile). ``None`` picks the tuned default for
         the GPU and head dim. ``block_n`` is also the K-scale granularity. The warp-specialised
         Gluon kernel takes ``block_n`` 128 (its default: two consumer warpgroups at head dims 65-128,
-        three at 33-64) or 64 (three); two from Triton 3.8 on, whose builds of three have their
-        GEMMs serialised.
+        three at 33-64) or 64 (three; at head dims 65-128 two from Triton 3.8 on, whose builds of
+        three have their GEMMs serialised there).
     num_warps, num_stages : int or None
         Launch overrides for the Triton kernel (``None``: tuned default).
     sdpa_below_flops : float

@@ -115,8 +115,8 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
     if wanted == "auto":
         # The warp-specialised kernel measured 25-36 % faster than the Triton kernel on the H200 at
         # head dim 128, and at 64 with the K scales in the ring (the kernel alone) 15 % with three
-        # consumers, 5 % with two (what runs from Triton 3.8 on; through fsattn() two are 6-8 % below
-        # three, 1.34x SDPA; benchmarks/NOTES.md v11 (d), v14 (c), v31 (a)); at 32 it was never measured.
+        # consumers (through fsattn() 1.43x SDPA under Triton 3.6, 1.41x voting early under 3.9;
+        # benchmarks/NOTES.md v11 (d), v14 (c), v31 (a), v35); at 32 it was never measured.
         wanted = "gluon_ws" if d_pad in (64, 128) and not (few_keys and d_pad == 128) else "triton"
     if wanted == "gluon_ws":
         ws = _dataclass_replace(plan, kernel="gluon_ws", block_n=config.block_n or GLUON_WS_BLOCK_N,

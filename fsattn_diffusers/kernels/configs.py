@@ -69,15 +69,14 @@ def gluon_ws_ks_in_ring(d_pad: int) -> bool:
 
 
 # The last Triton release, as (major, minor), that builds the three-consumer forms of the
-# warp-specialised kernel (head dim 64; 64-key tiles) within their 160 registers a thread. From
-# 3.8 Triton gives every GEMM whose operand is in registers its own copy of them, and with three
-# consumers ptxas can no longer place the saturation correction's wait (in one branch) for such
-# GEMMs in flight (NOTES v34: without the row-sum GEMM it still fails); it then serialises every
-# wgmma of the build (its C7512 note); two (240 registers) build cleanly. Later releases are taken
-# to behave alike until the compile matrix (tests/kernels/test_compile_matrix.py, which fails on any
-# serialised build) covers them. On the H200 under 3.9.0 three ran 15 % below two at head dim 64
-# (benchmarks/NOTES.md v33 (a)); under 3.6 two ran 6-8 % below three, bit-equal (v31 (a)).
-LAST_TRITON_WITH_THREE_CONSUMERS = (3, 7)
+# warp-specialised kernel (head dim 64; 64-key tiles) within their 160 registers a thread with the
+# saturation vote taken while a tile's GEMMs run. From 3.8 Triton gives every GEMM whose operand is
+# in registers its own copy of them, and with three consumers ptxas can no longer place the
+# correction's wait (in one branch) for such GEMMs in flight (NOTES v34: without the row-sum GEMM it
+# still fails); it then serialises every wgmma of the build (its C7512 note). Later releases are
+# taken to behave alike until the compile matrix (tests/kernels/test_compile_matrix.py, which fails
+# on any serialised build) covers them.
+LAST_TRITON_WITH_THREE_CONSUMERS_VOTING_LATE = (3, 7)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,17 +100,42 @@ def triton_release(version: str | None = None) -> tuple[int, int] | None:
     return int(found.group(1)), int(found.group(2))
 
 
+def _three_consumers_wanted(block_n: int, d_pad: int) -> bool:
+    """Three consumer warpgroups (160 registers each) hold a 64-key score tile, or a 128-key one
+    when the output tile is 64 wide and the K scales come through the ring (545 TFLOP/s against
+    499 with two at head dim 64, bit-equal, NOTES v14 (c))."""
+    return block_n == 64 or (d_pad <= 64 and gluon_ws_ks_in_ring(d_pad))
+
+
+def _late_vote_builds_three(triton_version: str | None) -> bool:
+    release = triton_release(triton_version)
+    return release is not None and release <= LAST_TRITON_WITH_THREE_CONSUMERS_VOTING_LATE
+
+
+def gluon_ws_votes_early(block_n: int, d_pad: int, triton_version: str | None = None) -> bool:
+    """Whether the warp-specialised kernel built by Triton `triton_version` (default: the one this
+    process imports) takes each tile's saturation vote before the tile's GEMMs are issued (a
+    saturated tile then takes its P from the true max) rather than while they run (a saturated tile
+    then adds correction GEMMs). The early vote builds three consumers at head dim 64 without
+    serialising their GEMMs or spilling under every release (3.6-3.9), but it sits on the path from
+    the scores to the GEMMs: on the H200 it ran 1.7 % below the late vote with three consumers at
+    head dim 64 under Triton 3.6, 11 % below it with two, and 15 % below it at head dim 128
+    (benchmarks/NOTES.md v35). So it is taken only at head dim 64 where the release cannot build
+    three consumers voting late: under 3.9.0 three voting early ran 590 TFLOP/s at a CogVideoX-like
+    shape against 543 for two voting late. (With 64-key tiles at head dim 128 the early build
+    spills under 3.9; two consumers voting late run there.)"""
+    return (d_pad <= 64 and _three_consumers_wanted(block_n, d_pad)
+            and not _late_vote_builds_three(triton_version))
+
+
 def gluon_ws_consumers(block_n: int, d_pad: int, triton_version: str | None = None) -> int:
     """Consumer warpgroups per program of the warp-specialised kernel built by Triton
-    `triton_version` (default: the one this process imports). Three (160 registers each) hold a
-    64-key score tile, or a 128-key one when the output tile is 64 wide and the K scales come
-    through the ring (545 TFLOP/s against 499 with two at head dim 64, bit-equal, NOTES v14 (c)),
-    where the release builds them without serialising their GEMMs
-    (:data:`LAST_TRITON_WITH_THREE_CONSUMERS`); otherwise two (240 registers each)."""
-    release = triton_release(triton_version)
-    three_fit = release is not None and release <= LAST_TRITON_WITH_THREE_CONSUMERS
-    three_wanted = block_n == 64 or (d_pad <= 64 and gluon_ws_ks_in_ring(d_pad))
-    return 3 if three_wanted and three_fit else 2
+    `triton_version` (default: the one this process imports): three where they hold the score
+    tile (a 64-key one, or a 128-key one at head dim 64) and the release builds them, voting late
+    or early (:func:`gluon_ws_votes_early`); otherwise two (240 registers each)."""
+    three = _three_consumers_wanted(block_n, d_pad) and (
+        _late_vote_builds_three(triton_version) or gluon_ws_votes_early(block_n, d_pad, triton_version))
+    return 3 if three else 2
 
 
 # Every launch states it: the score dequantisation with the max subtraction, and the exponent's

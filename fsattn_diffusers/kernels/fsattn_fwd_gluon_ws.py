@@ -7,7 +7,7 @@ Why: the Triton kernel runs one warpgroup per program, two programs per SM, each
 loads (address arithmetic and ``cp.async`` in the softmax's instruction stream), meeting a
 program-wide ``bar.sync`` every tile, and waiting for each GEMM right after issuing it; NOTES v6
 found its loop bound by those waits, not by a unit. Here, per program of 2 x 64 query rows
-(128-key tiles at head dim 128, the default) or 3 x 64 (at head dim 64, or with 64-key tiles,
+(128-key tiles at head dim 128, the default) or 3 x 64 (at head dim 64, and with 64-key tiles
 where the Triton release builds three consumers unserialised; :func:`.configs.gluon_ws_consumers`):
 
     producer (4 warps, 24 registers)   for each key tile: wait until every consumer released the
@@ -41,8 +41,11 @@ docs/design.md §4.1 is within 0.08 percentage point of the Triton kernel's rela
 64 the producer also brings the K scales into the ring stage, and the registers that frees let
 three consumers take 128-key tiles: 545 TFLOP/s at a CogVideoX-like shape, against 499 with two and
 475 for the Triton kernel (NOTES v14 (b), (c); outputs bit-equal to two consumers'). Triton 3.8.0
-and 3.9.0 build three consumers past their registers and ptxas serialises the GEMMs: from 3.8 on,
-two run (:func:`.configs.gluon_ws_consumers`, NOTES v30 (f)).
+and 3.9.0 build three consumers past their registers and ptxas serialises the GEMMs when the vote
+runs beside them (NOTES v30 (f), v34); voting before a tile's GEMMs are issued
+(:func:`_early_voted_p8`) they build cleanly, so from 3.8 on three consumers vote early at head dim
+64: 590 TFLOP/s under 3.9.0 against 543 for two voting late (NOTES v35;
+:func:`.configs.gluon_ws_votes_early`, which also says why the early vote is not taken elsewhere).
 fsattn_diffusers/plan.py sends it padded head dims 64 and 128.
 Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 """
@@ -59,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
 
 from .configs import GLUON_WS_MAX_STAGES as MAX_STAGES
 from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
-from .configs import FP_FUSION, GLUON_WS_STAGES, gluon_ws_consumers, gluon_ws_ks_in_ring
+from .configs import FP_FUSION, GLUON_WS_STAGES, gluon_ws_consumers, gluon_ws_ks_in_ring, gluon_ws_votes_early
 from .gluon_common import ROWSUM_N, GluonOperands, _descriptor, _epilogue, _program_rows, _softmax_tile, gluon_operands
 from .gluon_compat import tma_async_load
 from .launch import BoundLaunch
@@ -136,6 +139,12 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 # against float64 on randn 3.55 -> 3.57 %). NOTES v28.
 SPEC_OFFSET = gl.constexpr(4.0)
 SPECULATIVE_MAX = True
+# The kernel's SPECULATIVE: the online max, or the speculative one with the saturation vote taken
+# while the tile's GEMMs run (then correction GEMMs, :func:`_corrected_if_saturated`) or before
+# they are issued (:func:`_early_voted_p8`); :func:`.configs.gluon_ws_votes_early` says which.
+ONLINE_MAX = gl.constexpr(0)
+VOTE_WHILE_GEMMS_RUN = gl.constexpr(1)
+VOTE_BEFORE_GEMMS = gl.constexpr(2)
 
 
 @gluon.jit
@@ -327,6 +336,32 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
 
 
 @gluon.jit
+def _early_voted_p8(c: gl.constexpr, s, ks, qs, m, acc, l_acc, q_tile, k_tile, n_tiles, p_layout: gl.constexpr):
+    """A tile's P (FP8, PV operand layout) from the running max m, voted on before any GEMM of the
+    tile is issued (consumer c's; `n_tiles`: any scalar for the vote), when the accumulators have
+    settled: a saturated tile takes its scores again (score GEMM re-issued, as in
+    :func:`_corrected_if_saturated`), its P from its true max, and the accumulators are rescaled
+    to it. Returns P and the running max and accumulators after the tile. No GEMM of the tile is in
+    flight across the branch, which Triton 3.8 on needs to build three consumers unserialised."""
+    words, flags = _to_fp8_words(_in_wgmma_order(_p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m),
+                                                 p_layout))
+    if _any_flag(flags, c, n_tiles):
+        s_layout: gl.constexpr = l_acc.type.layout.parent
+        ROWS: gl.constexpr = q_tile.shape[0]
+        BLOCK_N: gl.constexpr = k_tile.shape[0]
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
+        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+        acc, l_acc = _rescaled(acc, l_acc, gl.exp2(m - m_new))
+        m = m_new
+        # The P words (INT32) cross the branch, not FP8 values.
+        words, flags = _to_fp8_words(_in_wgmma_order(_p_from(pre, qs, m), p_layout))
+    return _words_to_fp8(words), m, acc, l_acc
+
+
+@gluon.jit
 def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
     """One tile's P (FP8, PV operand layout) with the online max: the new running max and the
     rescaled accumulators (the Triton kernel's numerics)."""
@@ -344,10 +379,11 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
 
     The warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong, round robin): in
     its turn a warpgroup issues the row sum and PV of tile j, checks tile j's speculative P while
-    they run (:func:`_corrected_if_saturated`), issues the score GEMM of tile j + 1, hands the
+    they run (:func:`_corrected_if_saturated`; with SPECULATIVE == VOTE_BEFORE_GEMMS it checked it
+    before its turn, :func:`_early_voted_p8`), issues the score GEMM of tile j + 1, hands the
     turn to warpgroup c + 1, and waits for PV (the score GEMM stays in flight); its softmax of
-    tile j + 1 then runs while the others' GEMMs do. With SPECULATIVE off, the Triton kernel's
-    online numerics (bit-close at its 128-key tiles).
+    tile j + 1 then runs while the others' GEMMs do. With SPECULATIVE == ONLINE_MAX, the Triton
+    kernel's online numerics (bit-close at its 128-key tiles).
     """
     ROWS: gl.constexpr = 64
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -391,7 +427,10 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         if KS_IN_RING:  # this stage's ready wait was in the previous iteration (or before the loop)
             ks = ks_smem.index(stage).load(col_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        if SPECULATIVE:
+        if SPECULATIVE == VOTE_BEFORE_GEMMS:
+            p8, m, acc, l_acc = _early_voted_p8(c, s, ks, qs, m, acc, l_acc, q_tile, k_smem.index(stage), n_tiles,
+                                                p_o_layout)
+        elif SPECULATIVE:
             p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
         else:
             p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
@@ -402,7 +441,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                               use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        if SPECULATIVE:
+        if SPECULATIVE == VOTE_WHILE_GEMMS_RUN:
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
@@ -420,7 +459,10 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     if KS_IN_RING:
         ks = ks_smem.index(stage).load(col_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    if SPECULATIVE:
+    if SPECULATIVE == VOTE_BEFORE_GEMMS:
+        p8, m, acc, l_acc = _early_voted_p8(c, s, ks, qs, m, acc, l_acc, q_tile, k_smem.index(stage), n_tiles,
+                                            p_o_layout)
+    elif SPECULATIVE:
         p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
     else:
         p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
@@ -428,7 +470,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
-    if SPECULATIVE:
+    if SPECULATIVE == VOTE_WHILE_GEMMS_RUN:
         m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
@@ -531,15 +573,21 @@ def prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, *, num_stages=GLUON_WS_STAGES,
                          f"16-byte aligned; got {kv.k_scale.dtype}, shape {tuple(kv.k_scale.shape)}, strides "
                          f"{kv.k_scale.stride()}, address {kv.k_scale.data_ptr():#x}")
     consumers = gluon_ws_consumers(kv.block_n, d_pad)
+    if not speculative:
+        max_policy = ONLINE_MAX
+    elif gluon_ws_votes_early(kv.block_n, d_pad):
+        max_policy = VOTE_BEFORE_GEMMS
+    else:
+        max_policy = VOTE_WHILE_GEMMS_RUN
     operands = gluon_operands(q, kv, out, lse, block_m=consumers * CONSUMER_ROWS, q_tile_rows=CONSUMER_ROWS)
-    return gluon_ws_forward(operands, kv.block_n, d_pad, num_stages, bool(speculative))
+    return gluon_ws_forward(operands, kv.block_n, d_pad, num_stages, consumers, max_policy.value)
 
 
 @functools.lru_cache(maxsize=256)
-def gluon_ws_forward(operands: GluonOperands, block_n: int, d_pad: int, num_stages: int,
-                     speculative: bool) -> "GluonWSForward":
+def gluon_ws_forward(operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, consumers: int,
+                     max_policy: int) -> "GluonWSForward":
     """The :class:`GluonWSForward` of these operands and options (cached)."""
-    return GluonWSForward(operands, block_n, d_pad, num_stages, speculative)
+    return GluonWSForward(operands, block_n, d_pad, num_stages, consumers, max_policy)
 
 
 class GluonWSForward:
@@ -547,15 +595,15 @@ class GluonWSForward:
     :class:`~.gluon_common.GluonOperands`), everything that depends only on shapes computed once:
     ``run(q, kv, out, lse, sm_scale, stream=None)`` launches on operands :func:`fsattn_fwd_gluon_ws` accepts."""
 
-    def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, speculative: bool):
-        consumers = gluon_ws_consumers(block_n, d_pad)
+    def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, consumers: int,
+                 max_policy: int):
         self._operands = operands
         self.q_buffer_bytes = operands.q_buffer_bytes
         self._ks_in_ring = gluon_ws_ks_in_ring(d_pad)
         self._block_n = block_n
         self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
-                                   PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=speculative, N_CONSUMERS=consumers,
+                                   PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=max_policy, N_CONSUMERS=consumers,
                                    KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     @property

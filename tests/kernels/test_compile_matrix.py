@@ -93,7 +93,8 @@ def test_no_build_has_its_wgmmas_serialised(version):
     # ptxas serialises a build's wgmmas when it has too few registers to keep them in flight (its
     # C7512 note): each GEMM then waits for the one before, and the warp-specialised kernel's
     # GEMMs no longer run beside its softmax. Under Triton 3.8 and 3.9 the three-consumer builds
-    # did (configs.LAST_TRITON_WITH_THREE_CONSUMERS); the gate runs two consumers there.
+    # voting late did (configs.LAST_TRITON_WITH_THREE_CONSUMERS_VOTING_LATE); there they vote
+    # early at head dim 64 and two consumers run with 64-key tiles at head dim 128.
     rows = _matrix(version)
     assert all("wgmma_serialized" in r for r in rows if "error" not in r), "compile_check no longer reports it"
     serialised = [r["key"] for r in rows if r.get("wgmma_serialized")]

@@ -125,25 +125,40 @@ def _assert_as_close_to_float64_as_the_triton_kernel(out, lse, out_t, lse_t, ref
     assert lse_err <= lse_err_t + 0.5 / sk ** 0.5, (lse_err, lse_err_t)
 
 
-# The kernel's builds: 64- and 128-key tiles, speculative and online max; at head dim 128 two
-# consumers on 128-key tiles and the K scales from global memory, at 64 three consumers (two from
-# Triton 3.8 on, configs.gluon_ws_consumers) and the K scales through the ring stage.
-WS_BUILDS = [(64, True, 128), (64, False, 128), (128, True, 128), (128, False, 128), (128, True, 64), (128, False, 64),
-             (64, True, 64), (64, False, 64)]
+# The max policies: the online max, and the speculative one with the saturation vote while the
+# tile's GEMMs run or before they are issued (configs.gluon_ws_votes_early picks one per release;
+# the tests force each, so that every release's GPU run checks both).
+MAX_POLICIES = ["online", "vote while GEMMs run", "vote before GEMMs"]
 
 
-@pytest.mark.parametrize("block_n,speculative,head_dim", WS_BUILDS)
+def _use_max_policy(monkeypatch, ws, policy):
+    """The `speculative` argument of policy `policy`, with the vote's place forced."""
+    if policy != "online":
+        monkeypatch.setattr(ws, "gluon_ws_votes_early", lambda *args, early=policy == "vote before GEMMs", **kw: early)
+    return policy != "online"
+
+
+# The kernel's builds: 64- and 128-key tiles; at head dim 128 two consumers on 128-key tiles and
+# the K scales from global memory, at 64 three consumers and the K scales through the ring stage
+# (configs.gluon_ws_consumers).
+WS_BUILDS = [(64, 128), (128, 128), (128, 64), (64, 64)]
+
+
+@pytest.mark.parametrize("block_n,head_dim", WS_BUILDS)
+@pytest.mark.parametrize("policy", MAX_POLICIES)
 @pytest.mark.parametrize("family", ["randn", "peaky", "max_staircase", "late_sink", "masked_keys", "fully_masked",
                                     "huge_magnitude"])
-def test_warp_specialised_tiles_and_max_policies(block_n, speculative, head_dim, family):
+def test_warp_specialised_tiles_and_max_policies(monkeypatch, block_n, head_dim, policy, family):
     # Each of the kernel's builds against float64 and the Triton kernel, on the input
     # families of docs/design.md §4.1 it covers (per-key masks; the staircase and the sink saturate the
-    # speculative P of many tiles: without their correction the output would be far off). Online
-    # at 128 keys is the Triton kernel's arithmetic: bit-close to it. huge_magnitude only has to
-    # stay finite (tests/input_families.py).
+    # speculative P of many tiles: without their correction, or their P taken again from the true
+    # max, the output would be far off). Online at 128 keys is the Triton kernel's arithmetic:
+    # bit-close to it. huge_magnitude only has to stay finite (tests/input_families.py).
     from input_families import make_family
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as ws
     from fsattn_diffusers.kernels.quantize import quantize_kv
+
+    speculative = _use_max_policy(monkeypatch, ws, policy)
 
     sk = 1500
     q, k, v, mask = make_family(family, 2, 700, sk, 4, head_dim, device="cuda",
@@ -168,15 +183,18 @@ def test_warp_specialised_tiles_and_max_policies(block_n, speculative, head_dim,
 
 
 @pytest.mark.parametrize("head_dim,block_n", [(64, 128), (64, 64), (128, 64)])
-@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("policy", MAX_POLICIES)
 @pytest.mark.parametrize("family", ["randn", "max_staircase", "masked_keys"])
-def test_two_and_three_consumers_agree_bit_for_bit(monkeypatch, head_dim, block_n, speculative, family):
+def test_two_and_three_consumers_agree_bit_for_bit(monkeypatch, head_dim, block_n, policy, family):
     # configs.gluon_ws_consumers runs two consumer warpgroups where a Triton release would build
-    # three with their GEMMs serialised (from 3.8 on): each warpgroup's 64 rows meet the same key
-    # tiles in the same order either way, so the outputs must not move by a bit.
+    # three with their GEMMs serialised (64-key tiles at head dim 128 from 3.8 on): each
+    # warpgroup's 64 rows meet the same key tiles in the same order either way, so the outputs must
+    # not move by a bit.
     from input_families import make_family
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as ws
     from fsattn_diffusers.kernels.quantize import quantize_kv
+
+    speculative = _use_max_policy(monkeypatch, ws, policy)
 
     q, k, v, mask = make_family(family, 2, 700, 1500, 4, head_dim, device="cuda",
                                 generator=torch.Generator().manual_seed(5))

@@ -101,19 +101,20 @@ def test_tiles_and_stages_set_in_the_config_reach_the_warp_specialised_kernel(gl
     assert n64_tiles.block_m == 64 * gluon_ws_consumers(64, n64_tiles.d_pad) and n64_tiles.block_m >= _plan().block_m
 
 
-@pytest.mark.parametrize("release,at_64", [((3, 6), 3), ((3, 7), 3), ((3, 8), 2), ((3, 9), 2), (None, 2)])
-def test_the_warp_specialised_programs_hold_64_rows_per_consumer_three_at_head_dim_64_where_triton_allows(
-        gluon_importable, monkeypatch, release, at_64):
+@pytest.mark.parametrize("release,n64_at_128", [((3, 6), 3), ((3, 7), 3), ((3, 8), 2), ((3, 9), 2), (None, 2)])
+def test_the_warp_specialised_programs_hold_64_rows_per_consumer_three_where_the_release_builds_them(
+        gluon_importable, monkeypatch, release, n64_at_128):
     # Q is padded to a program's rows (64 per consumer warpgroup) and q_tiles count programs: the
     # plan's block_m must be what the launcher runs (configs.gluon_ws_consumers decides both).
-    # Three at head dim 64 only under the releases that build them without serialising their GEMMs
-    # (None: a Triton whose version does not read).
+    # Three at head dim 64 under every release (voting early where they must); with 64-key tiles at
+    # head dim 128 only under the releases that build them voting late without serialising their
+    # GEMMs (None: a Triton whose version does not read).
     from fsattn_diffusers.kernels import configs
 
     # The autouse fresh_plans fixture empties the plan cache before and after.
     monkeypatch.setattr(configs, "triton_release", lambda version=None: release)
-    for head_dim, block_n, block_m in ((128, 128, 128), (96, 128, 128), (64, 128, 64 * at_64), (48, 128, 64 * at_64),
-                                       (128, 64, 64 * at_64), (64, 64, 64 * at_64)):
+    for head_dim, block_n, block_m in ((128, 128, 128), (96, 128, 128), (64, 128, 192), (48, 128, 192),
+                                       (128, 64, 64 * n64_at_128), (64, 64, 192)):
         plan = _plan(FSAttnConfig(block_n=None if block_n == 128 else block_n), head_dim=head_dim)
         assert (plan.kernel, plan.block_n, plan.block_m) == ("gluon_ws", block_n, block_m)
         assert configs.gluon_ws_consumers(plan.block_n, plan.d_pad) * 64 == block_m
@@ -214,12 +215,14 @@ def test_the_warp_specialised_kernel_is_handed_v_in_its_key_order(monkeypatch):
     assert torch.equal(kv.k_q, natural.k_q) and torch.equal(kv.k_scale, natural.k_scale)
 
 
-@pytest.mark.parametrize("head_dim,release,program_rows", [(64, (3, 6), 192), (64, (3, 9), 128), (128, (3, 6), 128)])
-def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, head_dim, release, program_rows):
+@pytest.mark.parametrize("head_dim,block_n,release,program_rows", [(64, 128, (3, 9), 192), (128, 64, (3, 6), 192),
+                                                                    (128, 64, (3, 9), 128), (128, 128, (3, 6), 128)])
+def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, head_dim, block_n, release, program_rows):
     # Q is padded to the rows of a program and the op counts q_tiles by the plan's block_m: the
     # launcher's consumer warpgroups must cover exactly those rows, under a Triton release that
-    # builds three consumers at head dim 64 and one that does not. The real launcher runs on the
-    # real quantised K/V (interpreter) up to its operands, which are recorded instead of launched.
+    # builds three consumers with 64-key tiles at head dim 128 and one that does not. The real
+    # launcher runs on the real quantised K/V (interpreter) up to its operands, which are recorded
+    # instead of launched.
     gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
     from fsattn_diffusers.kernels import configs
 
@@ -236,11 +239,48 @@ def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, hea
 
     monkeypatch.setattr(gluon_ws, "gluon_operands", record)
     _pretend_hopper(monkeypatch, gluon_ws)
-    config = FSAttnConfig(kernel="gluon_ws")  # by name: "auto" runs the Triton kernel on 100 keys at 128
+    # by name: "auto" runs the Triton kernel on 100 keys at 128
+    config = FSAttnConfig(kernel="gluon_ws", block_n=block_n)
     with pytest.raises(Recorded):
         _run(config, head_dim=head_dim)
     assert rows == [ops.call_plan(config, torch.device("cuda"), head_dim, seq_k=100).block_m]
     assert rows == [program_rows]
+
+
+@pytest.mark.parametrize("head_dim,release,speculative,policy", [
+    (64, (3, 6), True, "VOTE_WHILE_GEMMS_RUN"), (64, (3, 9), True, "VOTE_BEFORE_GEMMS"),
+    (128, (3, 9), True, "VOTE_WHILE_GEMMS_RUN"), (64, (3, 9), False, "ONLINE_MAX")])
+def test_the_warp_specialised_launcher_builds_the_max_policy_the_release_needs(monkeypatch, head_dim, release,
+                                                                                speculative, policy):
+    # configs.gluon_ws_votes_early decides where the speculative max's vote goes; the kernel must be
+    # built with that policy and the consumers configs.gluon_ws_consumers counts (the real launcher
+    # up to the kernel's launch, which is recorded instead).
+    gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
+    from fsattn_diffusers.kernels import configs
+
+    monkeypatch.setattr(configs, "triton_release", lambda version=None: release)
+
+    class Operands:  # hashable by identity: the launcher's cache sees a new shape each run
+        grid = (1, 1, 1)
+        q_buffer_bytes = 0
+
+    class Recorded(Exception):
+        pass
+
+    built = []
+
+    def record(kernel, grid, **constexprs):
+        built.append(constexprs)
+        raise Recorded
+
+    monkeypatch.setattr(gluon_ws, "gluon_operands", lambda *args, **kwargs: Operands())
+    monkeypatch.setattr(gluon_ws, "BoundLaunch", record)
+    kv = SimpleNamespace(block_n=128, pv_key_order="wgmma", k_q=torch.empty(2, 3, 256, head_dim, dtype=torch.int8),
+                         k_scale=torch.empty(2, 3, 256))
+    with pytest.raises(Recorded):
+        gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv, None, None, speculative=speculative)
+    assert built[0]["SPECULATIVE"] == getattr(gluon_ws, policy).value
+    assert built[0]["N_CONSUMERS"] == (3 if head_dim == 64 else 2)
 
 
 @pytest.mark.parametrize("failure", ["front end", "ptxas", "mlir pass"])
@@ -308,23 +348,30 @@ def test_the_launchers_refuse_operands_the_plan_never_sends_them():
             gluon_ws.fsattn_fwd_gluon_ws(None, d64, None, None, sm_scale=1.0)
 
 
-@pytest.mark.parametrize("version,at_64", [("3.6.0", 3), ("3.7.1", 3), ("3.8.0", 2), ("3.9.0", 2),
-                                           ("3.10.0+git1234", 2), ("4.0.0", 2)])
-def test_three_consumers_only_under_the_releases_that_build_them_unserialised(version, at_64):
-    # Triton 3.8 and 3.9 build the three-consumer forms past their registers and ptxas serialises
-    # their GEMMs (tests/kernels/test_compile_matrix.py checks every release's builds).
-    from fsattn_diffusers.kernels.configs import gluon_ws_consumers
+@pytest.mark.parametrize("version,votes_early", [("3.6.0", False), ("3.7.1", False), ("3.8.0", True),
+                                                 ("3.9.0", True), ("3.10.0+git1234", True), ("4.0.0", True)])
+def test_three_consumers_at_head_dim_64_voting_where_the_release_builds_them(version, votes_early):
+    # Triton 3.8 on builds three consumers voting late past their registers and ptxas serialises
+    # their GEMMs; voting early they build cleanly at head dim 64, so three run there under every
+    # release, and the early vote (slower where the late one builds) only where it must
+    # (tests/kernels/test_compile_matrix.py checks every release's builds).
+    from fsattn_diffusers.kernels.configs import gluon_ws_consumers, gluon_ws_votes_early
 
-    assert gluon_ws_consumers(128, 64, triton_version=version) == at_64  # head dim 64
-    assert gluon_ws_consumers(64, 128, triton_version=version) == at_64  # 64-key tiles
+    for block_n in (128, 64):  # head dim 64
+        assert gluon_ws_consumers(block_n, 64, triton_version=version) == 3
+        assert gluon_ws_votes_early(block_n, 64, triton_version=version) == votes_early
+    # 64-key tiles at head dim 128: three voting late where that builds, two voting late elsewhere.
+    assert gluon_ws_consumers(64, 128, triton_version=version) == (2 if votes_early else 3)
     assert gluon_ws_consumers(128, 128, triton_version=version) == 2
+    for block_n in (128, 64):
+        assert not gluon_ws_votes_early(block_n, 128, triton_version=version)
     with pytest.raises(ValueError, match="not a Triton version"):
-        gluon_ws_consumers(128, 64, triton_version="main")
+        gluon_ws_consumers(64, 128, triton_version="main")
 
 
 def test_triton_release_reads_the_installed_version_or_gives_none(monkeypatch):
-    # The consumer count follows it; an installed Triton whose version does not read gets the
-    # choice that builds cleanly under every release (None: two consumers), a given one raises.
+    # The consumer count and the vote's place follow it; an installed Triton whose version does not
+    # read gets the choices that build cleanly under every release (None), a given one raises.
     import sys
 
     from fsattn_diffusers.kernels import configs
