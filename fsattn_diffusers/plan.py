@@ -115,7 +115,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
     if wanted == "auto":
         # The warp-specialised kernel measured 25-36 % faster than the Triton kernel on the H200 at
         # head dim 128, and at 64 with the K scales in the ring (the kernel alone) 15 % with three
-        # consumers (through fsattn() 1.43x SDPA under Triton 3.6, 1.41x voting early under 3.9;
+        # consumers (through fsattn() 1.44-1.45x SDPA under Triton 3.6, 1.41x voting early under 3.9;
         # benchmarks/NOTES.md v11 (d), v14 (c), v31 (a), v35); at 32 it was never measured.
         wanted = "gluon_ws" if d_pad in (64, 128) and not (few_keys and d_pad == 128) else "triton"
     if wanted == "gluon_ws":

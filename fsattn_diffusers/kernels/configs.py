@@ -119,13 +119,14 @@ def gluon_ws_votes_early(block_n: int, d_pad: int, triton_version: str | None = 
     then adds correction GEMMs). The early vote builds three consumers at head dim 64 without
     serialising their GEMMs or spilling under every release (3.6-3.9), but it sits on the path from
     the scores to the GEMMs: on the H200 it ran 1.7 % below the late vote with three consumers at
-    head dim 64 under Triton 3.6, 11 % below it with two, and 15 % below it at head dim 128
-    (benchmarks/NOTES.md v35). So it is taken only at head dim 64 where the release cannot build
-    three consumers voting late: under 3.9.0 three voting early ran 590 TFLOP/s at a CogVideoX-like
-    shape against 543 for two voting late. (With 64-key tiles at head dim 128 the early build
-    spills under 3.9; two consumers voting late run there.)"""
-    return (d_pad <= 64 and _three_consumers_wanted(block_n, d_pad)
-            and not _late_vote_builds_three(triton_version))
+    head dim 64 under Triton 3.6, 11 % below it with two under 3.9, and 15 % below it at head dim
+    128 under both (benchmarks/NOTES.md v35). So it is taken only at padded head dims up to 64 (the
+    plan sends the kernel 64; 32 only by name, untimed) where the release cannot build three
+    consumers voting late: under 3.9.0 three voting early ran 590 TFLOP/s at a CogVideoX-like shape
+    against 543 for two voting late. (With 64-key tiles at head dim 128 the early build spills
+    under 3.9; two consumers voting late run there.)"""
+    late_builds_three = _late_vote_builds_three(triton_version)  # first: a given version must read
+    return d_pad <= 64 and _three_consumers_wanted(block_n, d_pad) and not late_builds_three
 
 
 def gluon_ws_consumers(block_n: int, d_pad: int, triton_version: str | None = None) -> int:
@@ -133,8 +134,9 @@ def gluon_ws_consumers(block_n: int, d_pad: int, triton_version: str | None = No
     `triton_version` (default: the one this process imports): three where they hold the score
     tile (a 64-key one, or a 128-key one at head dim 64) and the release builds them, voting late
     or early (:func:`gluon_ws_votes_early`); otherwise two (240 registers each)."""
+    late_builds_three = _late_vote_builds_three(triton_version)  # first: a given version must read
     three = _three_consumers_wanted(block_n, d_pad) and (
-        _late_vote_builds_three(triton_version) or gluon_ws_votes_early(block_n, d_pad, triton_version))
+        late_builds_three or gluon_ws_votes_early(block_n, d_pad, triton_version))
     return 3 if three else 2
 
 

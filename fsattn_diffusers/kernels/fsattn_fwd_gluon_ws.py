@@ -15,9 +15,9 @@ where the Triton release builds three consumers unserialised; :func:`.configs.gl
                                        head dim 64 the K scales) into it
     consumer w (4 warps, w = 0, 1[, 2])  its 64 rows of Q (TMA), then per key tile j: wait for the
                                        score GEMM, softmax; in its turn issue the row sum and PV
-                                       of tile j, check P (below), issue the score GEMM of tile
-                                       j + 1, hand the turn to the next warpgroup; wait for PV,
-                                       release the stage
+                                       of tile j, check P (below; or before the turn), issue the
+                                       score GEMM of tile j + 1, hand the turn to the next
+                                       warpgroup; wait for PV, release the stage
 
 Only mbarriers synchronise (no program-wide barrier). P goes from the score accumulator to the PV
 GEMM's register operand without moving between threads: V and the row-sum weights come in the
@@ -30,7 +30,10 @@ row-sum and PV GEMMs as soon as it is converted, and whether some P saturated FP
 too far above that max) is voted on by the warpgroup while they run (one barrier reduction,
 :func:`_any_flag`), off the path from the scores to the GEMMs; only such a tile then takes its
 true max, rescales the accumulators and adds the GEMMs of a correction D = P_true - alpha *
-P_spec (:func:`_corrected_if_saturated`). No clamped P reaches the output.
+P_spec (:func:`_corrected_if_saturated`). No clamped P reaches the output. Where a Triton release
+cannot build three consumers that way (3.8 on, at head dim 64), the vote is taken before the turn
+instead, on the path to the GEMMs, and a saturated tile's P is taken again from its true max
+(:func:`_early_voted_p8`; :func:`.configs.gluon_ws_votes_early` decides).
 
 At head dim 128 two consumer warpgroups on 128-key tiles are the default: with the check after the
 GEMM issue they measured 1-3 % faster than three on 64-key tiles at every head-dim-128 shape (NOTES
@@ -542,7 +545,8 @@ def _fsattn_fwd_gluon_ws_kernel(
 def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
     """Quantise Q and launch the warp-specialised kernel; arguments as :func:`.fsattn_fwd.fsattn_fwd`,
     except that `kv` must be quantised with ``pv_key_order="wgmma"`` and ``block_n`` 64 or 128
-    (:func:`.configs.gluon_ws_consumers` says how many consumer warpgroups run). `speculative`:
+    (:func:`.configs.gluon_ws_consumers` says how many consumer warpgroups run,
+    :func:`.configs.gluon_ws_votes_early` where they vote). `speculative`:
     the speculative running max (the default) or the online one.
 
     The plan (fsattn_diffusers/plan.py) sends it only what it covers; anything else raises here

@@ -132,10 +132,23 @@ MAX_POLICIES = ["online", "vote while GEMMs run", "vote before GEMMs"]
 
 
 def _use_max_policy(monkeypatch, ws, policy):
-    """The `speculative` argument of policy `policy`, with the vote's place forced."""
+    """The `speculative` argument of policy `policy`, with the vote's place forced, and the list
+    that records the kernel policy of each build the launcher is asked for."""
     if policy != "online":
         monkeypatch.setattr(ws, "gluon_ws_votes_early", lambda *args, early=policy == "vote before GEMMs", **kw: early)
-    return policy != "online"
+    built = []
+    real = ws.gluon_ws_forward
+
+    def recorded(*args):
+        built.append(args[-1])  # max_policy
+        return real(*args)
+
+    monkeypatch.setattr(ws, "gluon_ws_forward", recorded)
+    return policy != "online", built
+
+
+KERNEL_POLICY = {"online": "ONLINE_MAX", "vote while GEMMs run": "VOTE_WHILE_GEMMS_RUN",
+                 "vote before GEMMs": "VOTE_BEFORE_GEMMS"}
 
 
 # The kernel's builds: 64- and 128-key tiles; at head dim 128 two consumers on 128-key tiles and
@@ -158,7 +171,7 @@ def test_warp_specialised_tiles_and_max_policies(monkeypatch, block_n, head_dim,
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as ws
     from fsattn_diffusers.kernels.quantize import quantize_kv
 
-    speculative = _use_max_policy(monkeypatch, ws, policy)
+    speculative, built = _use_max_policy(monkeypatch, ws, policy)
 
     sk = 1500
     q, k, v, mask = make_family(family, 2, 700, sk, 4, head_dim, device="cuda",
@@ -168,6 +181,7 @@ def test_warp_specialised_tiles_and_max_policies(monkeypatch, block_n, head_dim,
     out = torch.empty_like(q)
     lse = torch.empty(2, 4, 700, dtype=torch.float32, device="cuda")
     ws.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=head_dim ** -0.5, speculative=speculative)
+    assert built == [getattr(ws, KERNEL_POLICY[policy]).value]
     out_t, lse_t = fsattn(q, k, v, attn_mask=mask, return_lse=True, config=TRITON)
     ref, ref_lse = attention_reference(q, k, v, mask)
     empty = ~torch.isfinite(ref_lse)
@@ -194,7 +208,7 @@ def test_two_and_three_consumers_agree_bit_for_bit(monkeypatch, head_dim, block_
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as ws
     from fsattn_diffusers.kernels.quantize import quantize_kv
 
-    speculative = _use_max_policy(monkeypatch, ws, policy)
+    speculative, built = _use_max_policy(monkeypatch, ws, policy)
 
     q, k, v, mask = make_family(family, 2, 700, 1500, 4, head_dim, device="cuda",
                                 generator=torch.Generator().manual_seed(5))
@@ -216,6 +230,7 @@ def test_two_and_three_consumers_agree_bit_for_bit(monkeypatch, head_dim, block_
         ws.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=head_dim ** -0.5, speculative=speculative)
         results.append((out, lse))
     assert program_rows == [192, 128]  # each run padded Q and sized its grid for its consumers
+    assert built == [getattr(ws, KERNEL_POLICY[policy]).value] * 2
     (out3, lse3), (out2, lse2) = results
     assert torch.isfinite(out3).all() and out3.abs().max() > 0
     assert torch.equal(out3, out2) and torch.equal(lse3, lse2)

@@ -283,6 +283,40 @@ def test_the_warp_specialised_launcher_builds_the_max_policy_the_release_needs(m
     assert built[0]["N_CONSUMERS"] == (3 if head_dim == 64 else 2)
 
 
+def test_the_warp_specialised_launcher_builds_once_per_consumer_count_and_max_policy(monkeypatch):
+    # One shape, asked for with each consumer count and vote place in turn: each pair is its own
+    # build (a launch cached for one must not serve another), and asking again reuses it.
+    gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
+
+    class Operands:
+        grid = (1, 1, 1)
+        q_buffer_bytes = 0
+
+    operands = Operands()
+    built = []
+
+    def record(kernel, grid, **constexprs):
+        built.append((constexprs["N_CONSUMERS"], constexprs["SPECULATIVE"]))
+        return object()
+
+    monkeypatch.setattr(gluon_ws, "gluon_operands", lambda *args, **kwargs: operands)
+    monkeypatch.setattr(gluon_ws, "BoundLaunch", record)
+    kv = SimpleNamespace(block_n=128, pv_key_order="wgmma", k_q=torch.empty(2, 3, 256, 64, dtype=torch.int8),
+                         k_scale=torch.empty(2, 3, 256))
+    gluon_ws.gluon_ws_forward.cache_clear()
+    try:
+        prepared = []
+        for consumers, early in ((3, False), (3, True), (2, False), (2, True), (3, False)):
+            monkeypatch.setattr(gluon_ws, "gluon_ws_consumers", lambda *args, n=consumers, **kwargs: n)
+            monkeypatch.setattr(gluon_ws, "gluon_ws_votes_early", lambda *args, e=early, **kwargs: e)
+            prepared.append(gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv, None, None))
+    finally:
+        gluon_ws.gluon_ws_forward.cache_clear()  # its entries hold this test's stand-ins
+    late, early = gluon_ws.VOTE_WHILE_GEMMS_RUN.value, gluon_ws.VOTE_BEFORE_GEMMS.value
+    assert built == [(3, late), (3, early), (2, late), (2, early)]
+    assert prepared[4] is prepared[0] and len({id(p) for p in prepared[:4]}) == 4
+
+
 @pytest.mark.parametrize("failure", ["front end", "ptxas", "mlir pass"])
 def test_a_gluon_compile_failure_costs_speed_not_the_call(monkeypatch, failure):
     # Gluon's API moves between Triton releases: the call is redone on the Triton kernel, with V
@@ -365,8 +399,9 @@ def test_three_consumers_at_head_dim_64_voting_where_the_release_builds_them(ver
     assert gluon_ws_consumers(128, 128, triton_version=version) == 2
     for block_n in (128, 64):
         assert not gluon_ws_votes_early(block_n, 128, triton_version=version)
-    with pytest.raises(ValueError, match="not a Triton version"):
-        gluon_ws_consumers(64, 128, triton_version="main")
+    for decide in (gluon_ws_consumers, gluon_ws_votes_early):  # a given version must read, wherever asked
+        with pytest.raises(ValueError, match="not a Triton version"):
+            decide(128, 128, triton_version="main")
 
 
 def test_triton_release_reads_the_installed_version_or_gives_none(monkeypatch):
