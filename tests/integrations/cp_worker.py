@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import traceback
+import warnings
 from unittest import mock
 
 import torch
@@ -29,12 +31,9 @@ def launch(scenarios: dict, world_size: int, device_type: str, out_dir) -> dict:
     `out_dir`, with faulthandler's stacks if it dies by a signal (the SIGTERM that spawn sends the
     other ranks after a failure included); a failure carries those logs. Where a rank died by a
     signal of its own (not spawn's SIGTERM or SIGKILL), whichever rank spawn reported first, the
-    spawn is retried once, with a warning that holds the logs: on two loaded cores gloo's CPU
-    transport aborted a rank (SIGABRT, no Python error) in one CI run, in a spawn that passes
-    unchanged on this code otherwise. Anything else, or a signal twice, fails the test."""
-    import signal
-    import warnings
-
+    spawn is retried once, with a warning that holds the logs: in one CI run on two cores a rank
+    aborted (SIGABRT, no Python error, cause not established) in a spawn that otherwise passes
+    on the same code. Anything else, or a signal twice, fails the test."""
     import torch.multiprocessing as mp
 
     out_dir = str(out_dir)
@@ -76,7 +75,6 @@ def _rank_logs(out_dir: str, world_size: int) -> str:
 
 def _worker(rank, world_size, device_type, init_file, scenarios, out_dir):
     import faulthandler
-    import signal
 
     import torch.distributed as dist
 

@@ -247,73 +247,61 @@ def test_the_warp_specialised_launcher_pads_q_to_the_plans_rows(monkeypatch, hea
     assert rows == [program_rows]
 
 
-@pytest.mark.parametrize("head_dim,release,speculative,policy", [
-    (64, (3, 6), True, "VOTE_WHILE_GEMMS_RUN"), (64, (3, 9), True, "VOTE_BEFORE_GEMMS"),
-    (128, (3, 9), True, "VOTE_WHILE_GEMMS_RUN"), (64, (3, 9), False, "ONLINE_MAX")])
-def test_the_warp_specialised_launcher_builds_the_max_policy_the_release_needs(monkeypatch, head_dim, release,
-                                                                                speculative, policy):
-    # configs.gluon_ws_votes_early decides where the speculative max's vote goes; the kernel must be
-    # built with that policy and the consumers configs.gluon_ws_consumers counts (the real launcher
-    # up to the kernel's launch, which is recorded instead).
-    gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
-    from fsattn_diffusers.kernels import configs
-
-    monkeypatch.setattr(configs, "triton_release", lambda version=None: release)
-
-    class Operands:  # hashable by identity: the launcher's cache sees a new shape each run
-        grid = (1, 1, 1)
-        q_buffer_bytes = 0
-
-    class Recorded(Exception):
-        pass
-
-    built = []
-
-    def record(kernel, grid, **constexprs):
-        built.append(constexprs)
-        raise Recorded
-
-    monkeypatch.setattr(gluon_ws, "gluon_operands", lambda *args, **kwargs: Operands())
-    monkeypatch.setattr(gluon_ws, "BoundLaunch", record)
-    kv = SimpleNamespace(block_n=128, pv_key_order="wgmma", k_q=torch.empty(2, 3, 256, head_dim, dtype=torch.int8),
-                         k_scale=torch.empty(2, 3, 256))
-    with pytest.raises(Recorded):
-        gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv, None, None, speculative=speculative)
-    assert built[0]["SPECULATIVE"] == getattr(gluon_ws, policy).value
-    assert built[0]["N_CONSUMERS"] == (3 if head_dim == 64 else 2)
-
-
-def test_the_warp_specialised_launcher_builds_once_per_consumer_count_and_max_policy(monkeypatch):
-    # One shape, asked for with each consumer count and vote place in turn: each pair is its own
-    # build (a launch cached for one must not serve another), and asking again reuses it.
+@pytest.fixture
+def ws_builds(monkeypatch):
+    """The real warp-specialised launcher up to the kernel's build, which is recorded (its
+    constexprs) instead; one stand-in for the operands of every call, so that its cache sees one
+    shape. Yields (the launcher module, a quantised-K/V stand-in of a head dim, the builds)."""
     gluon_ws = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon_ws", reason="no Gluon warp specialisation")
 
     class Operands:
         grid = (1, 1, 1)
         q_buffer_bytes = 0
 
-    operands = Operands()
-    built = []
+    operands, built = Operands(), []
 
     def record(kernel, grid, **constexprs):
-        built.append((constexprs["N_CONSUMERS"], constexprs["SPECULATIVE"]))
+        built.append(constexprs)
         return object()
+
+    def kv(head_dim):
+        return SimpleNamespace(block_n=128, pv_key_order="wgmma", k_q=torch.empty(2, 3, 256, head_dim, dtype=torch.int8),
+                               k_scale=torch.empty(2, 3, 256))
 
     monkeypatch.setattr(gluon_ws, "gluon_operands", lambda *args, **kwargs: operands)
     monkeypatch.setattr(gluon_ws, "BoundLaunch", record)
-    kv = SimpleNamespace(block_n=128, pv_key_order="wgmma", k_q=torch.empty(2, 3, 256, 64, dtype=torch.int8),
-                         k_scale=torch.empty(2, 3, 256))
     gluon_ws.gluon_ws_forward.cache_clear()
-    try:
-        prepared = []
-        for consumers, early in ((3, False), (3, True), (2, False), (2, True), (3, False)):
-            monkeypatch.setattr(gluon_ws, "gluon_ws_consumers", lambda *args, n=consumers, **kwargs: n)
-            monkeypatch.setattr(gluon_ws, "gluon_ws_votes_early", lambda *args, e=early, **kwargs: e)
-            prepared.append(gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv, None, None))
-    finally:
-        gluon_ws.gluon_ws_forward.cache_clear()  # its entries hold this test's stand-ins
+    yield gluon_ws, kv, built
+    gluon_ws.gluon_ws_forward.cache_clear()  # its entries hold this test's stand-ins
+
+
+@pytest.mark.parametrize("head_dim,release,speculative,policy", [
+    (64, (3, 6), True, "VOTE_WHILE_GEMMS_RUN"), (64, (3, 9), True, "VOTE_BEFORE_GEMMS"),
+    (128, (3, 9), True, "VOTE_WHILE_GEMMS_RUN"), (64, (3, 9), False, "ONLINE_MAX")])
+def test_the_warp_specialised_launcher_builds_the_max_policy_the_release_needs(monkeypatch, ws_builds, head_dim,
+                                                                                release, speculative, policy):
+    # configs.gluon_ws_votes_early decides where the speculative max's vote goes; the kernel must be
+    # built with that policy and the consumers configs.gluon_ws_consumers counts.
+    from fsattn_diffusers.kernels import configs
+
+    gluon_ws, kv, built = ws_builds
+    monkeypatch.setattr(configs, "triton_release", lambda version=None: release)
+    gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv(head_dim), None, None, speculative=speculative)
+    assert built[0]["SPECULATIVE"] == getattr(gluon_ws, policy).value
+    assert built[0]["N_CONSUMERS"] == (3 if head_dim == 64 else 2)
+
+
+def test_the_warp_specialised_launcher_builds_once_per_consumer_count_and_max_policy(monkeypatch, ws_builds):
+    # One shape, asked for with each consumer count and vote place in turn: each pair is its own
+    # build (a launch cached for one must not serve another), and asking again reuses it.
+    gluon_ws, kv, built = ws_builds
+    prepared = []
+    for consumers, early in ((3, False), (3, True), (2, False), (2, True), (3, False)):
+        monkeypatch.setattr(gluon_ws, "gluon_ws_consumers", lambda *args, n=consumers, **kwargs: n)
+        monkeypatch.setattr(gluon_ws, "gluon_ws_votes_early", lambda *args, e=early, **kwargs: e)
+        prepared.append(gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv(64), None, None))
     late, early = gluon_ws.VOTE_WHILE_GEMMS_RUN.value, gluon_ws.VOTE_BEFORE_GEMMS.value
-    assert built == [(3, late), (3, early), (2, late), (2, early)]
+    assert [(b["N_CONSUMERS"], b["SPECULATIVE"]) for b in built] == [(3, late), (3, early), (2, late), (2, early)]
     assert prepared[4] is prepared[0] and len({id(p) for p in prepared[:4]}) == 4
 
 
