@@ -123,8 +123,8 @@ def gluon_ws_votes_early(block_n: int, d_pad: int, triton_version: str | None = 
     128 under both (benchmarks/NOTES.md v35). So it is taken only at padded head dims up to 64 (the
     plan sends the kernel 64; 32 only by name, untimed) where the release cannot build three
     consumers voting late: under 3.9.0 three voting early ran 590 TFLOP/s at a CogVideoX-like shape
-    against 543 for two voting late. (With 64-key tiles at head dim 128 the early build spills
-    under 3.9; two consumers voting late run there.)"""
+    against 543 for two voting late. (With the opt-in 64-key tiles at head dim 128, two consumers
+    voting late run under 3.8 on; three voting early build there without spills, untimed.)"""
     late_builds_three = _late_vote_builds_three(triton_version)  # first: a given version must read
     return d_pad <= 64 and _three_consumers_wanted(block_n, d_pad) and not late_builds_three
 
