@@ -427,8 +427,8 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     if SPECULATIVE and D_PAD > 64:
         # The first tile has no running max to speculate from: all its P would saturate, and every
         # program would take a correction per consumer. It starts from its own max instead, the
-        # max that correction reaches (so the outputs are the same, bit for bit). Not at head dim
-        # 64: there the same code made ptxas schedule the loop slower, correction or not (NOTES v36).
+        # max that correction reaches. Not at head dim 64: there the same code made ptxas schedule
+        # the loop slower, correction or not (NOTES v36).
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if KS_IN_RING:
             m = gl.max(s.to(gl.float32) * gl.expand_dims(ks_smem.index(0).load(col_layout), 0), 1) * qs
