@@ -5,6 +5,8 @@
 `loops` finds each wgmma-issuing loop as the span from a backward branch's target to the branch;
 `common_path` drops the longest span that a predicated forward branch inside the loop skips (the speculative
 max's correction, taken rarely), leaving what every tile runs. Counts are per warp and loop trip.
+`control_of` reads the scheduling bits ptxas encodes in each instruction; `describe` sums their stall
+counts over the common path (at head dim 64 the sum followed the measured time, NOTES v36).
 """
 
 from __future__ import annotations
@@ -20,17 +22,44 @@ OPCODES = ("MUFU", "FMUL", "FFMA", "I2FP", "F2FP", "FMNMX", "SHFL", "BAR", "SYNC
 _BRANCH = re.compile(r"BRA(?:\.\w+)*\s+(?:[^`]*,\s*)?`\((\.L_x_\d+)\)")
 
 
-def sass_of(cubin: bytes) -> str:
+def sass_of(cubin: bytes, *flags: str) -> str:
     """The SASS of a compiled kernel's cubin (``kernel.asm["cubin"]``: Triton's own ptxas and flags),
-    disassembled with the nvdisasm of the Triton that built it."""
+    disassembled with the nvdisasm of the Triton that built it (`flags`: more of its options)."""
     import triton  # here, so that reading SASS text (ncu_stalls.py) needs no Triton
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        return subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", path], check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", *flags, path], check=True,
+                              capture_output=True, text=True).stdout
+
+
+Control = collections.namedtuple("Control", "stall yield_ write_barrier read_barrier wait_mask")
+NO_BARRIER = 7
+
+
+def control_of(cubin: bytes) -> list:
+    """Each instruction's scheduling control, in the order of :func:`_instructions` on
+    :func:`sass_of`'s text. From Volta through Hopper ptxas encodes it in bits 105-125 of each
+    128-bit instruction: the stall count (cycles before the warp may issue again), the yield bit,
+    the scoreboard barrier the instruction sets when its result is written and when its operands
+    have been read (NO_BARRIER: none; variable-latency instructions such as loads and MUFU set
+    one), and the mask of barriers it waits on."""
+    text = sass_of(cubin, "-hex")
+    controls = []
+    for line in text.splitlines():
+        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;\s*/\*\s*(0x[0-9a-f]{16})\s*\*/", line)
+        if ins:
+            controls.append(None)  # the instruction's low word; its high word is on the next line
+            continue
+        high = re.match(r"\s*/\*\s*(0x[0-9a-f]{16})\s*\*/\s*$", line)
+        if high and controls and controls[-1] is None:
+            bits = int(high.group(1), 16) >> 41  # bit 105 of the instruction
+            controls[-1] = Control(bits & 0xF, (bits >> 4) & 1, (bits >> 5) & 7, (bits >> 8) & 7, (bits >> 11) & 0x3F)
+    if None in controls:
+        raise ValueError("nvdisasm -hex printed an instruction without its second word")
+    return controls
 
 
 def _instructions(sass: str):
@@ -78,9 +107,9 @@ def loops(sass: str, max_len: int = 2000):
     return sorted(accepted)
 
 
-def common_path(sass: str, span):
-    """Opcode counts (and the instructions) of a loop without the longest block that a predicated
-    forward branch inside it skips."""
+def common_indices(sass: str, span) -> list:
+    """The instruction indices of a loop without the longest block that a predicated forward
+    branch inside it skips."""
     instructions, labels = _instructions(sass)
     first, last = span
     skip = (last, last)
@@ -90,7 +119,13 @@ def common_path(sass: str, span):
             t = labels[target.group(1)]
             if i < t <= last and t - i > skip[1] - skip[0]:
                 skip = (i + 1, t)
-    body = instructions[first:skip[0]] + instructions[skip[1]:last + 1]
+    return list(range(first, skip[0])) + list(range(skip[1], last + 1))
+
+
+def common_path(sass: str, span):
+    """Opcode counts (and the instructions) of a loop's common path (:func:`common_indices`)."""
+    instructions, _ = _instructions(sass)
+    body = [instructions[i] for i in common_indices(sass, span)]
     counts = collections.Counter(opcode(ins) for ins in body)
     counts["total"] = len(body)
     return counts, body
@@ -105,15 +140,20 @@ def positions(body, prefixes=("WARPGROUP.ARRIVE", "BAR.RED", "STS")) -> dict:
 
 
 def describe(cubin: bytes) -> str:
-    """One line per inner loop of a compiled kernel: its length, and its common path's length and opcode counts."""
+    """One line per inner loop of a compiled kernel: its length, and its common path's length,
+    opcode counts and encoded stall cycles (:func:`control_of`)."""
     sass = sass_of(cubin)
+    controls = control_of(cubin)
+    if len(controls) != len(_instructions(sass)[0]):
+        raise ValueError(f"{len(controls)} instructions with control bits, {len(_instructions(sass)[0])} in the SASS")
     lines = []
     for span in loops(sass):
         c, body = common_path(sass, span)
         if c["MUFU"] < 16:  # a backward branch around the last tile and the epilogue, not a key loop
             continue
         at = positions(body)
+        stalls = sum(controls[i].stall for i in common_indices(sass, span))
         lines.append(f"  loop of {span[1] - span[0] + 1} instructions, common path {c['total']}: "
-                     + ", ".join(f"{op} {c[op]}" for op in OPCODES)
+                     + ", ".join(f"{op} {c[op]}" for op in OPCODES) + f", encoded stall cycles {stalls}"
                      + "; at " + "; ".join(f"{op} {' '.join(map(str, i))}" for op, i in at.items()))
     return "\n".join(lines)

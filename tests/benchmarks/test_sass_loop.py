@@ -53,3 +53,40 @@ def test_each_consumer_issues_p_to_its_gemms_before_checking_it(block_n, consume
         assert len(arrives) == 3, at
         assert arrives[1] < vote < arrives[2], at
         assert counts["STS"] == 0 and not at["STS"], (counts, at)
+
+
+# Reads the control bits of the head-dim-128 build: were the bit positions wrong, the barriers
+# would not fall on the variable-latency instructions alone.
+_CONTROL_CHECK = """
+import sys
+sys.path.insert(0, "benchmarks")
+import compile_check, sass_loop
+build = compile_check._main_build(compile_check.build_gluon_ws(4, 128, 128), "_fsattn_fwd_gluon_ws_kernel")
+cubin = build.compiled.asm["cubin"]
+instructions, _ = sass_loop._instructions(sass_loop.sass_of(cubin))
+controls = sass_loop.control_of(cubin)
+print("counts", len(instructions), len(controls))
+for ins, control in zip(instructions, controls):
+    print(sass_loop.opcode(ins), *control)
+"""
+
+
+def test_control_bits_mark_variable_latency_instructions_only():
+    done = triton_releases.run(MEASURED_WITH, ["-c", _CONTROL_CHECK])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    counts = next(line for line in lines if line.startswith("counts")).split()
+    assert counts[1] == counts[2], counts  # one control word per instruction
+    rows = [line.split() for line in lines if line and not line.startswith("counts")]
+    by_opcode = {}
+    for op, stall, _yield, write_barrier, read_barrier, _wait in rows:
+        by_opcode.setdefault(op, []).append((int(stall), int(write_barrier), int(read_barrier)))
+    no_barrier = 7
+    # Global loads report their results late: each sets a write barrier. The exponential unit
+    # does too, but ptxas may leave a barrier off a MUFU whose result a later one's covers.
+    assert by_opcode["LDG"] and all(w != no_barrier for _, w, _ in by_opcode["LDG"]), by_opcode["LDG"][:8]
+    assert any(w != no_barrier for _, w, _ in by_opcode["MUFU"]), by_opcode["MUFU"][:8]
+    # Fixed-latency arithmetic sets neither barrier.
+    for op in ("FFMA", "FMUL", "I2FP"):
+        assert by_opcode[op] and all(w == r == no_barrier for _, w, r in by_opcode[op]), (op, by_opcode[op][:8])
+    assert all(0 <= int(row[1]) <= 15 for row in rows)
