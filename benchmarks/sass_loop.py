@@ -35,27 +35,27 @@ def sass_of(cubin: bytes, *flags: str) -> str:
                               capture_output=True, text=True).stdout
 
 
-Control = collections.namedtuple("Control", "stall yield_ write_barrier read_barrier wait_mask")
+Control = collections.namedtuple("Control", "stall yield_bit write_barrier read_barrier wait_mask")
 NO_BARRIER = 7
 
 
-def control_of(cubin: bytes) -> list:
-    """Each instruction's scheduling control, in the order of :func:`_instructions` on
-    :func:`sass_of`'s text. From Volta through Hopper ptxas encodes it in bits 105-125 of each
-    128-bit instruction: the stall count (cycles before the warp may issue again), the yield bit,
-    the scoreboard barrier the instruction sets when its result is written and when its operands
-    have been read (NO_BARRIER: none; variable-latency instructions such as loads and MUFU set
-    one), and the mask of barriers it waits on."""
-    text = sass_of(cubin, "-hex")
+def control_of(sass_hex: str) -> list:
+    """Each instruction's scheduling control, in the order of :func:`_instructions`, from
+    ``sass_of(cubin, "-hex")``. From Volta through Hopper ptxas encodes it in bits 105-121 of each
+    128-bit instruction (122-125, operand reuse, are not read): the stall count (cycles before the
+    warp may issue again), the yield bit (as encoded, not interpreted here), the scoreboard barrier
+    the instruction sets for its result and for reading its operands (NO_BARRIER: none; a
+    variable-latency instruction such as a global load sets one, though ptxas may leave it off one
+    whose result a later one's barrier covers), and the mask of barriers it waits on."""
     controls = []
-    for line in text.splitlines():
+    for line in sass_hex.splitlines():
         ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;\s*/\*\s*(0x[0-9a-f]{16})\s*\*/", line)
         if ins:
             controls.append(None)  # the instruction's low word; its high word is on the next line
             continue
         high = re.match(r"\s*/\*\s*(0x[0-9a-f]{16})\s*\*/\s*$", line)
         if high and controls and controls[-1] is None:
-            bits = int(high.group(1), 16) >> 41  # bit 105 of the instruction
+            bits = int(high.group(1), 16) >> 41  # the high word is bits 64-127: bit 105 of the instruction
             controls[-1] = Control(bits & 0xF, (bits >> 4) & 1, (bits >> 5) & 7, (bits >> 8) & 7, (bits >> 11) & 0x3F)
     if None in controls:
         raise ValueError("nvdisasm -hex printed an instruction without its second word")
@@ -142,8 +142,8 @@ def positions(body, prefixes=("WARPGROUP.ARRIVE", "BAR.RED", "STS")) -> dict:
 def describe(cubin: bytes) -> str:
     """One line per inner loop of a compiled kernel: its length, and its common path's length,
     opcode counts and encoded stall cycles (:func:`control_of`)."""
-    sass = sass_of(cubin)
-    controls = control_of(cubin)
+    sass = sass_of(cubin, "-hex")  # the instruction texts as without it, and their control bits
+    controls = control_of(sass)
     if len(controls) != len(_instructions(sass)[0]):
         raise ValueError(f"{len(controls)} instructions with control bits, {len(_instructions(sass)[0])} in the SASS")
     lines = []

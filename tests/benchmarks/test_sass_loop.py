@@ -18,7 +18,7 @@ import triton_releases  # noqa: E402
 
 MEASURED_WITH = "3.6.0"
 
-pytestmark = pytest.mark.slow  # two Gluon compiles for sm_90a, ~10 s
+pytestmark = pytest.mark.slow  # three Gluon compiles for sm_90a, ~20 s
 
 
 def _consumer_loops(stages, block_n):
@@ -55,38 +55,56 @@ def test_each_consumer_issues_p_to_its_gemms_before_checking_it(block_n, consume
         assert counts["STS"] == 0 and not at["STS"], (counts, at)
 
 
-# Reads the control bits of the head-dim-128 build: were the bit positions wrong, the barriers
-# would not fall on the variable-latency instructions alone.
+# Reads the control bits of the head-dim-128 build: were the fields read at other bit positions,
+# the barriers would not fall on the variable-latency instructions alone, and the stall counts
+# would not show the arithmetic latency between dependent instructions.
 _CONTROL_CHECK = """
 import sys
 sys.path.insert(0, "benchmarks")
 import compile_check, sass_loop
 build = compile_check._main_build(compile_check.build_gluon_ws(4, 128, 128), "_fsattn_fwd_gluon_ws_kernel")
-cubin = build.compiled.asm["cubin"]
-instructions, _ = sass_loop._instructions(sass_loop.sass_of(cubin))
-controls = sass_loop.control_of(cubin)
+sass = sass_loop.sass_of(build.compiled.asm["cubin"], "-hex")
+instructions, _ = sass_loop._instructions(sass)
+controls = sass_loop.control_of(sass)
 print("counts", len(instructions), len(controls))
 for ins, control in zip(instructions, controls):
-    print(sass_loop.opcode(ins), *control)
+    print(*control, sass_loop._unpredicated(ins))
 """
+FIXED_LATENCY = ("FFMA", "FMUL", "FADD", "I2FP")
 
 
-def test_control_bits_mark_variable_latency_instructions_only():
+def test_control_bits_read_at_their_positions():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "benchmarks"))
+    from sass_loop import NO_BARRIER
+
     done = triton_releases.run(MEASURED_WITH, ["-c", _CONTROL_CHECK])
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     counts = next(line for line in lines if line.startswith("counts")).split()
     assert counts[1] == counts[2], counts  # one control word per instruction
-    rows = [line.split() for line in lines if line and not line.startswith("counts")]
-    by_opcode = {}
-    for op, stall, _yield, write_barrier, read_barrier, _wait in rows:
-        by_opcode.setdefault(op, []).append((int(stall), int(write_barrier), int(read_barrier)))
-    no_barrier = 7
-    # Global loads report their results late: each sets a write barrier. The exponential unit
-    # does too, but ptxas may leave a barrier off a MUFU whose result a later one's covers.
-    assert by_opcode["LDG"] and all(w != no_barrier for _, w, _ in by_opcode["LDG"]), by_opcode["LDG"][:8]
-    assert any(w != no_barrier for _, w, _ in by_opcode["MUFU"]), by_opcode["MUFU"][:8]
-    # Fixed-latency arithmetic sets neither barrier.
-    for op in ("FFMA", "FMUL", "I2FP"):
-        assert by_opcode[op] and all(w == r == no_barrier for _, w, r in by_opcode[op]), (op, by_opcode[op][:8])
-    assert all(0 <= int(row[1]) <= 15 for row in rows)
+    rows = []
+    for line in lines:
+        if line and not line.startswith("counts"):
+            stall, _yield, write_barrier, read_barrier, _wait, text = line.split(None, 5)
+            rows.append((int(stall), int(write_barrier), int(read_barrier), text))
+    ops = [text.split()[0].split(".")[0] for *_, text in rows]
+    loads = [w for (_, w, _, _), op in zip(rows, ops) if op == "LDG"]
+    fixed = [(w, r) for (_, w, r, _), op in zip(rows, ops) if op in FIXED_LATENCY]
+    assert loads and fixed, "the build has global loads and FP32 arithmetic"
+    # A global load reports its result late: each sets a write barrier; fixed-latency arithmetic
+    # sets neither barrier.
+    assert all(w != NO_BARRIER for w in loads), loads[:8]
+    assert all(w == r == NO_BARRIER for w, r in fixed), fixed[:8]
+    # The warp waits out an FP32 result's latency (4 cycles or more) before an instruction that
+    # reads it, and the common case is one cycle between independent instructions; a four-bit
+    # field holds the long waits (8 cycles and more) a three-bit one could not.
+    dependent = []
+    for (stall, _, _, text), (_, _, _, following), op in zip(rows, rows[1:], ops):
+        dest = re.match(r"\S+\s+(R\d+),", text)
+        sources = following.split(",")[1:]
+        if op in FIXED_LATENCY and dest and any(re.search(rf"\b{dest.group(1)}\b", s) for s in sources):
+            dependent.append(stall)
+    assert dependent and min(dependent) >= 4, dependent
+    stalls = [row[0] for row in rows]
+    assert max(set(stalls), key=stalls.count) == 1 and max(stalls) >= 8, sorted(set(stalls))
