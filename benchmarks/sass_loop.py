@@ -144,8 +144,9 @@ def describe(cubin: bytes) -> str:
     opcode counts and encoded stall cycles (:func:`control_of`)."""
     sass = sass_of(cubin, "-hex")  # the instruction texts as without it, and their control bits
     controls = control_of(sass)
-    if len(controls) != len(_instructions(sass)[0]):
-        raise ValueError(f"{len(controls)} instructions with control bits, {len(_instructions(sass)[0])} in the SASS")
+    n_instructions = len(_instructions(sass)[0])
+    if len(controls) != n_instructions:
+        raise ValueError(f"{len(controls)} instructions with control bits, {n_instructions} in the SASS")
     lines = []
     for span in loops(sass):
         c, body = common_path(sass, span)

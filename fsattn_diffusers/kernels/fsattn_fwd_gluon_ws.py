@@ -429,11 +429,9 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         # program would take a correction per consumer. It starts from its own max instead, the
         # max that correction reaches. Not at head dim 64: there the same code made ptxas schedule
         # the loop slower, correction or not (NOTES v36).
+        gl.static_assert(not KS_IN_RING, "the K scales come through the ring only at head dims up to 64")
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        if KS_IN_RING:
-            m = gl.max(s.to(gl.float32) * gl.expand_dims(ks_smem.index(0).load(col_layout), 0), 1) * qs
-        else:
-            m = gl.max(s.to(gl.float32) * gl.expand_dims(ks, 0), 1) * qs
+        m = gl.max(s.to(gl.float32) * gl.expand_dims(ks, 0), 1) * qs  # ks: tile 0's, loaded above
         s_tok = warpgroup_mma_init(s)
     for tile in range(n_tiles - 1):
         stage = tile % STAGES
