@@ -1,7 +1,7 @@
 """Experiment (NOTES v37 (b)): where a consumer warpgroup's tile period goes, read with %clock64 in a
 copy of the warp-specialised kernel module (FILE; clocks around the loop's phases, summed per
 program and consumer into a buffer): the softmax (scores landed to P converted), the wait for the
-ring stage and the turn, the turn (GEMM issue, vote, next score GEMM issue, hand-on), the wait for
+ring stage and the turn (and the ring stage's alone), the turn (and in it: the row-sum and P.V issue, the vote) (GEMM issue, vote, next score GEMM issue, hand-on), the wait for
 P.V, and from there to the next tile's scores. Beside: `fsattn()` times of the package's kernel and
 of the clocked copy (the clocks cost instructions and registers), one process.
 
@@ -20,7 +20,8 @@ from fsattn_diffusers import fsattn, ops, plan
 
 SHAPES = {"wan14b_720p": (1, 40, 75600, 128), "wan13b_480p": (1, 12, 32760, 128),
           "cogvideox_d64": (2, 48, 17776, 64), "seq_16384": (1, 12, 16384, 128)}
-PHASES = ("softmax", "ready_and_turn_wait", "turn", "pv_wait", "to_next_scores", "loop", "trips")
+PHASES = ("softmax", "ready_and_turn_wait", "turn", "pv_wait", "to_next_scores", "loop", "trips", "ready_wait",
+          "turn_row_sum_and_pv_issue", "turn_vote")
 _real = plan.gluon_module
 
 
@@ -68,16 +69,16 @@ def main():
         buf.zero_()
         fsattn(q, k, v)
         torch.cuda.synchronize()
-        rec = buf.view(-1, 8)[:, :7].double()
+        rec = buf.view(-1, 16)[:, :10].double()
         rec = rec[rec[:, 6] > 0]
         consumers = 3 if head_dim == 64 else 2
         per = {}
         for c in range(consumers):
             part = rec[c::consumers]
             trips = part[:, 6].sum()
-            per[f"consumer_{c}"] = {p: float(part[:, i].sum() / trips) for i, p in enumerate(PHASES[:6])}
+            per[f"consumer_{c}"] = {p: float(part[:, i].sum() / trips) for i, p in enumerate(PHASES) if p != "trips"}
         trips = rec[:, 6].sum()
-        row["cycles_per_tile"] = {p: float(rec[:, i].sum() / trips) for i, p in enumerate(PHASES[:6])}
+        row["cycles_per_tile"] = {p: float(rec[:, i].sum() / trips) for i, p in enumerate(PHASES) if p != "trips"}
         row["per_consumer"] = per
         row["programs_x_consumers"] = int(rec.shape[0])
         # The spread across programs of the softmax and the turn wait (cycles per tile).

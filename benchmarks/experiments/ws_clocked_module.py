@@ -444,6 +444,9 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     t_turn = gl.to_tensor(0).to(gl.int64)
     t_pv = gl.to_tensor(0).to(gl.int64)
     t_next = gl.to_tensor(0).to(gl.int64)
+    t_ready = gl.to_tensor(0).to(gl.int64)
+    t_issue = gl.to_tensor(0).to(gl.int64)
+    t_vote = gl.to_tensor(0).to(gl.int64)
     t_e = _clock(n_tiles)
     t_start = t_e
     for tile in range(n_tiles - 1):
@@ -466,20 +469,26 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
             ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
         t_b = _clock(n_tiles)
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        t_r = _clock(n_tiles)
         mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
         t_c = _clock(n_tiles)
         l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                               use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p8, vt_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        t_i = _clock(n_tiles)
         if SPECULATIVE == VOTE_WHILE_GEMMS_RUN:
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
                                                              ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING)
+        t_v = _clock(n_tiles)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
         t_d = _clock(n_tiles)
+        t_ready += t_r - t_b
+        t_issue += t_i - t_c
+        t_vote += t_v - t_i
         # Groups retire in order: with one left in flight, the row sum and PV are done.
         acc, l_tile = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok, l_tok))
         mbarrier.arrive(empty.index(stage), count=1)
@@ -517,7 +526,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
     t_end = _clock(n_tiles)
     pid = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    base = clk_ptr + (pid * N_CONSUMERS + c) * 8
+    base = clk_ptr + (pid * N_CONSUMERS + c) * 16
     gl.store(base + 0, t_soft)
     gl.store(base + 1, t_wait)
     gl.store(base + 2, t_turn)
@@ -525,6 +534,9 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     gl.store(base + 4, t_next)
     gl.store(base + 5, t_end - t_start)
     gl.store(base + 6, (n_tiles - 1).to(gl.int64))
+    gl.store(base + 7, t_ready)
+    gl.store(base + 8, t_issue)
+    gl.store(base + 9, t_vote)
     _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
               b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, SPEC_OFFSET if SPECULATIVE else 8.0)
 
@@ -679,7 +691,7 @@ _CLOCKS = []
 
 
 def clock_buffer():
-    """Per (program, consumer): softmax, ready+turn wait, turn, PV wait, to next scores, whole loop, trips (cycles)."""
+    """Per (program, consumer), 16 slots: softmax, ready+turn wait, turn, PV wait, to next scores, whole loop, trips, ready wait, row-sum and PV issue, vote (cycles)."""
     if not _CLOCKS:
         _CLOCKS.append(torch.zeros(1 << 22, dtype=torch.int64, device="cuda"))
     return _CLOCKS[0]
