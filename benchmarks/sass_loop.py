@@ -123,12 +123,13 @@ def common_indices(sass: str, span) -> list:
 
 
 def common_path(sass: str, span):
-    """Opcode counts (and the instructions) of a loop's common path (:func:`common_indices`)."""
+    """Opcode counts, instructions and indices of a loop's common path (:func:`common_indices`)."""
     instructions, _ = _instructions(sass)
-    body = [instructions[i] for i in common_indices(sass, span)]
+    indices = common_indices(sass, span)
+    body = [instructions[i] for i in indices]
     counts = collections.Counter(opcode(ins) for ins in body)
     counts["total"] = len(body)
-    return counts, body
+    return counts, body, indices
 
 
 def positions(body, prefixes=("WARPGROUP.ARRIVE", "BAR.RED", "STS")) -> dict:
@@ -149,11 +150,11 @@ def describe(cubin: bytes) -> str:
         raise ValueError(f"{len(controls)} instructions with control bits, {n_instructions} in the SASS")
     lines = []
     for span in loops(sass):
-        c, body = common_path(sass, span)
+        c, body, indices = common_path(sass, span)
         if c["MUFU"] < 16:  # a backward branch around the last tile and the epilogue, not a key loop
             continue
         at = positions(body)
-        stalls = sum(controls[i].stall for i in common_indices(sass, span))
+        stalls = sum(controls[i].stall for i in indices)
         lines.append(f"  loop of {span[1] - span[0] + 1} instructions, common path {c['total']}: "
                      + ", ".join(f"{op} {c[op]}" for op in OPCODES) + f", encoded stall cycles {stalls}"
                      + "; at " + "; ".join(f"{op} {' '.join(map(str, i))}" for op, i in at.items()))
