@@ -87,7 +87,7 @@ def opcode(ins: str) -> str:
     return text.split()[0].split(".")[0] if text else ""
 
 
-def loops(sass: str, max_len: int = 2000):
+def loops(sass: str, max_len: int = 8000):
     """(first, last) instruction indices of each loop (a backward branch and its target) that
     issues a wgmma: the consumers' key loops."""
     instructions, labels = _instructions(sass)
@@ -158,4 +158,5 @@ def describe(cubin: bytes) -> str:
         lines.append(f"  loop of {span[1] - span[0] + 1} instructions, common path {c['total']}: "
                      + ", ".join(f"{op} {c[op]}" for op in OPCODES) + f", encoded stall cycles {stalls}"
                      + "; at " + "; ".join(f"{op} {' '.join(map(str, i))}" for op, i in at.items()))
-    return "\n".join(lines)
+    # A build whose loop outgrew `loops`' span limit would otherwise print nothing at all.
+    return "\n".join(lines) if lines else "  no key loop found (a wgmma-issuing loop with 16 or more MUFU on its common path)"

@@ -108,3 +108,28 @@ def test_control_bits_read_at_their_positions():
     assert dependent and min(dependent) >= 4, dependent
     stalls = [row[0] for row in rows]
     assert max(set(stalls), key=stalls.count) == 1 and max(stalls) >= 8, sorted(set(stalls))
+
+
+def _sass_text(body):
+    """nvdisasm-like text of `body`: instruction texts, and labels as ".L_x_N:" lines."""
+    lines, address = [], 0
+    for item in body:
+        if item.endswith(":"):
+            lines.append(item)
+        else:
+            lines.append(f"        /*{address:04x}*/                   {item} ;")
+            address += 16
+    return "\n".join(lines)
+
+
+def test_loops_finds_a_key_loop_longer_than_two_thousand_instructions():
+    # A consumer loop with a long correction branch inside (NOTES v38 (a): 3,000 instructions) is
+    # still a key loop; the partitions' dispatch around it is longer and overlaps it.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "benchmarks"))
+    import sass_loop
+
+    loop = [".L_x_1:", "WARPGROUP.ARRIVE"] + ["FFMA R1, R2, R3, R4"] * 2997 + ["@P0 BRA `(.L_x_1)"]
+    outer = [".L_x_0:"] + loop + ["FADD R1, R1, R2"] * 10 + ["@P1 BRA `(.L_x_0)"]
+    spans = sass_loop.loops(_sass_text(["MOV R1, RZ"] + outer))
+    assert spans == [(1, 2999)], spans
