@@ -159,4 +159,4 @@ def describe(cubin: bytes) -> str:
                      + ", ".join(f"{op} {c[op]}" for op in OPCODES) + f", encoded stall cycles {stalls}"
                      + "; at " + "; ".join(f"{op} {' '.join(map(str, i))}" for op, i in at.items()))
     # A build whose loop outgrew `loops`' span limit would otherwise print nothing at all.
-    return "\n".join(lines) if lines else "  no key loop found (a wgmma-issuing loop with 16 or more MUFU on its common path)"
+    return "\n".join(lines) or "  no key loop found (a wgmma-issuing loop with 16 or more MUFU on its common path)"

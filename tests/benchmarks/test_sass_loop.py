@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import triton_releases  # noqa: E402
 
 MEASURED_WITH = "3.6.0"
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 
 pytestmark = pytest.mark.slow  # three Gluon compiles for sm_90a, ~20 s
 
@@ -74,8 +75,7 @@ FIXED_LATENCY = ("FFMA", "FMUL", "FADD", "I2FP")
 
 
 def test_control_bits_read_at_their_positions():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "benchmarks"))
+    sys.path.insert(0, BENCHMARKS)
     from sass_loop import NO_BARRIER
 
     done = triton_releases.run(MEASURED_WITH, ["-c", _CONTROL_CHECK])
@@ -125,8 +125,7 @@ def _sass_text(body):
 def test_loops_finds_a_key_loop_longer_than_two_thousand_instructions():
     # A consumer loop with a long correction branch inside (NOTES v38 (a): 3,000 instructions) is
     # still a key loop; the partitions' dispatch around it is longer and overlaps it.
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "benchmarks"))
+    sys.path.insert(0, BENCHMARKS)
     import sass_loop
 
     loop = [".L_x_1:", "WARPGROUP.ARRIVE"] + ["FFMA R1, R2, R3, R4"] * 2997 + ["@P0 BRA `(.L_x_1)"]
