@@ -130,10 +130,11 @@ def _in_wgmma_order(p, layout: gl.constexpr):
 
 
 # The speculative running max (NOTES v9, v11): a tile's exponentials start from the max of the
-# tiles before it, P = 2^(x - m + SPEC_OFFSET), with no max taken. P stays below 448 (FP8 e4m3's
-# largest) while no score rose more than log2(448) - SPEC_OFFSET = 4.8 above m; the conversion
-# saturates anything larger to 448 (byte 0x7E), so a tile needs its true max (and a correction)
-# exactly when one of its P bytes is 0x7E or 0x7F (NaN). Adding 2 to each byte of a 4-byte word
+# tiles before it, P = 2^(x - m + SPEC_OFFSET), with no max taken. The conversion rounds P from
+# 432 up to 448 (FP8 e4m3's largest, byte 0x7E) and saturates anything larger there, so a tile
+# whose score rose log2(432) - SPEC_OFFSET = 4.75 or more above m has a P byte 0x7E or 0x7F (NaN):
+# it takes its true max and a correction (a P of 432-448 was only rounded, not clamped, and is
+# corrected all the same), and no tile without one needs it. Adding 2 to each byte of a 4-byte word
 # sets the byte's top bit exactly for those two (P >= 0: no byte reaches 0x80, so no carry
 # crosses bytes). Why 4: a correction holds the turn at the tensor cores through three GEMM
 # waits, so the 0.7 % of tiles that offset 6 corrected (Wan's own inputs and randn alike) cost
