@@ -143,7 +143,8 @@ class QuantizedKV:
     v_scale: torch.Tensor  # fp32 (B, Hkv, D_pad)
     v_mean: torch.Tensor  # fp32 (B, Hkv, D_pad): added back by the epilogue (final after quantize_q)
     # The row-sum GEMM's operand, v_t's dtype (B or 1, ROWSUM_COLS, S_pad): row 0 is each key's
-    # weight (1 attended, 0 masked or padding), the other rows zero.
+    # weight (1 attended, 0 masked or padding), the other rows zero; in the "wgmma" order every
+    # row is the weights, so that every column of the GEMM's tile is the row sum.
     rowsum_weights: torch.Tensor
     k_per_token: bool
     block_n: int
@@ -594,7 +595,10 @@ def _quantize_kv_kernel(
         v_err += tl.sum(tl.reshape(v_low.to(tl.float32) - v, [SUB_N // V_ERR_ROWS, V_ERR_ROWS, D_PAD]), 0)
         tl.store(vt_ptr + (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + columns[:, None], v_low)
         if writes_weights:
-            w_tile = tl.where((w_row == 0)[:, None], weight[None, :], 0.0)
+            if WGMMA_ORDER:  # every row: the warp-specialised kernel reads each thread's first column
+                w_tile = tl.broadcast_to(weight[None, :], [ROWSUM_COLS, SUB_N])
+            else:
+                w_tile = tl.where((w_row == 0)[:, None], weight[None, :], 0.0)
             tl.store(rowsum_w_ptr + (b * ROWSUM_COLS + w_row)[:, None] * s_pad + columns[None, :],
                      to_low_precision(w_tile, rowsum_w_ptr.dtype.element_ty, SOFT_ROUND))
     # V's rounding error over this program's keys, per channel in scaled units (quantize_q
