@@ -48,7 +48,8 @@ from .lowp import IN_INTERPRETER, LOG2E, to_low_precision
 # e4m3fn's largest finite value.
 FP8_E4M3_MAX = 448.0
 # Width of the tile that carries each key's weight into the row-sum GEMM: the smallest N of an
-# FP8 wgmma that Triton accepts (only column 0 is non-zero).
+# FP8 wgmma that Triton accepts (in the "natural" key order only column 0 is non-zero; in the
+# "wgmma" order every column is the weights, see QuantizedKV).
 ROWSUM_COLS = 16
 
 PV_KEY_ORDERS = ("natural", "wgmma")
