@@ -38,7 +38,8 @@ def _emulate(q, k, v, mask, cfg, layout="NHD", scale=None):
     launch = fsattn_ops.call_plan(cfg.replace(kernel="triton"), q.device, qb.shape[-1], bias is not None, q.dtype)
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
     return emulate_fsattn(qb, kb, vb, scale=scale, config=cfg, block_m=launch.block_m, block_n=launch.block_n,
-                          key_weight=weight, key_bias=bias)
+                          key_weight=weight, key_bias=bias, k_per_token=launch.k_per_token,
+                          sort_keys=launch.sort_keys)
 
 
 # --- CPU: the interpreter at tiny shapes ---------------------------------------------------------
@@ -52,6 +53,7 @@ VARIANTS = [
     ("exp_half", FSAttnConfig(max_policy="sampled", exp_offload=0.5)),
     ("exp_bits", FSAttnConfig(max_policy="sampled", exp_offload=1.0)),
     ("k_block", FSAttnConfig(k_granularity="block")),
+    ("k_sorted", FSAttnConfig(k_granularity="sorted_block")),
     ("fma_rowsum_fp32_acc", FSAttnConfig(rowsum="fma", pv_accum="fp32")),
 ]
 

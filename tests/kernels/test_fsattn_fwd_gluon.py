@@ -196,6 +196,42 @@ def test_warp_specialised_tiles_and_max_policies(monkeypatch, block_n, head_dim,
         _assert_as_close_to_float64_as_the_triton_kernel(out, lse, out_t, lse_t, ref, ref_lse, sk)
 
 
+@pytest.mark.parametrize("block_n,head_dim", WS_BUILDS)
+@pytest.mark.parametrize("policy", MAX_POLICIES)
+@pytest.mark.parametrize("family", ["randn", "peaky", "max_staircase", "late_sink", "masked_keys", "fully_masked",
+                                    "huge_magnitude"])
+def test_warp_specialised_tile_k_scales_over_sorted_keys(monkeypatch, block_n, head_dim, policy, family):
+    # k_granularity="sorted_block": each head's keys sorted by size, one K scale per tile, which
+    # the kernel folds into Q's scale (KS_TILE) in every build and max policy. As close to
+    # float64 as the Triton kernel with the same K/V pass, and within the op's bounds.
+    from input_families import make_family
+    from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as ws
+    from fsattn_diffusers.kernels.quantize import quantize_kv
+
+    speculative, built = _use_max_policy(monkeypatch, ws, policy)
+    sk = 1500
+    q, k, v, mask = make_family(family, 2, 700, sk, 4, head_dim, device="cuda",
+                                generator=torch.Generator().manual_seed(12))
+    weight = None if mask is None else mask[:, 0, 0, :].float()
+    kv = quantize_kv(k, v, weight, block_n=block_n, d_pad=head_dim, k_per_token=False, sort_keys=True,
+                     pv_key_order="wgmma")
+    out = torch.empty_like(q)
+    lse = torch.empty(2, 4, 700, dtype=torch.float32, device="cuda")
+    ws.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=head_dim ** -0.5, speculative=speculative)
+    assert built == [getattr(ws, KERNEL_POLICY[policy]).value]
+    out_t, lse_t = fsattn(q, k, v, attn_mask=mask, return_lse=True,
+                          config=FSAttnConfig(kernel="triton", k_granularity="sorted_block"))
+    ref, ref_lse = attention_reference(q, k, v, mask)
+    empty = ~torch.isfinite(ref_lse)
+    assert torch.isneginf(lse[empty]).all() and (out.transpose(1, 2)[empty] == 0).all()
+    assert torch.isfinite(out).all()
+    if family == "huge_magnitude":
+        return
+    _assert_as_close_to_float64_as_the_triton_kernel(out, lse, out_t, lse_t, ref, ref_lse, sk)
+    min_cos, max_l1 = (0.999, 0.04) if family in ("randn", "peaky") else (0.995, 0.06)
+    assert cosine(out, ref) >= min_cos and rel_l1(out, ref) <= max_l1
+
+
 @pytest.mark.parametrize("head_dim,block_n", [(64, 128), (64, 64), (128, 64)])
 @pytest.mark.parametrize("policy", MAX_POLICIES)
 @pytest.mark.parametrize("family", ["randn", "max_staircase", "masked_keys"])

@@ -154,6 +154,41 @@ def test_wgmma_order_and_any_split(poisoned, masked, n_programs_target):
     _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=True, v_dtype=FP8)
 
 
+@pytest.mark.parametrize("pv_key_order", PV_KEY_ORDERS)
+@pytest.mark.parametrize("k_per_token", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sorted_keys_are_the_packing_of_the_keys_in_order_of_size(poisoned, masked, k_per_token, pv_key_order):
+    # sort_keys stores each head's keys by size, largest first, masked keys and padding last: the
+    # same buffers as packing those keys in that order, and their weights are the same for every
+    # head (the first n_attended keys attended).
+    k, v, weight = _inputs(masked=masked, seed=4)
+    bsz, seq, heads, dim = k.shape
+    kv, v_shift = _prepass(k, v, weight, block_n=32, d_pad=64, k_per_token=k_per_token, pv_key_order=pv_key_order,
+                           sort_keys=True, n_programs_target=12)
+    order = kv.key_order
+    s_pad = kv.k_q.shape[2]
+    assert order.shape == (bsz, heads, s_pad) and torch.equal(order.sort(-1).values,
+                                                              torch.arange(s_pad, device=DEVICE).expand_as(order))
+    # By size in float64 (near-ties may fall either way in float32).
+    w = torch.ones(bsz, seq, device=DEVICE) if weight is None else weight
+    keep = (w != 0)[:, None, :]
+    kd = k.double().transpose(1, 2)
+    mean = (kd * keep[..., None]).sum(2, keepdim=True) / keep.sum(-1).clamp_min(1)[..., None, None]
+    size = torch.where(keep, (kd - mean).abs().amax(-1), -1.0)
+    size = torch.nn.functional.pad(size, (0, s_pad - seq), value=-1.0).gather(-1, order)
+    assert (size[..., 1:] <= size[..., :-1] + 1e-5).all()
+    n_attended = keep.sum(-1)  # (B, 1)
+    assert (size[..., : int(n_attended.min())] >= 0).all() and (size[..., int(n_attended.max()):] == -1).all()
+    assert (order[:, :, seq:] >= seq).all(), "padding stays behind the keys, masked ones too"
+
+    # The real keys fill the first `seq` positions of every head: pack them in that order.
+    head_order = order[:, :, :seq].transpose(1, 2)  # (B, S, H)
+    k_sorted, v_sorted = (t.gather(1, head_order[..., None].expand_as(t)) for t in (k, v))
+    w_sorted = (torch.arange(seq, device=DEVICE)[None] < n_attended).float()
+    _check_prepass(k_sorted, v_sorted, w_sorted if masked else None, kv, v_shift, block_n=32, smooth_v=True,
+                   v_dtype=FP8)
+
+
 @pytest.mark.parametrize("seq", [256, 250])
 @pytest.mark.parametrize("masked", [False, True])
 def test_head_dim_128_tiles_of_128_keys(poisoned, seq, masked):
@@ -294,7 +329,7 @@ def test_quantize_kv_matches_emulation(k_per_token, v_dtype, masked):
     cfg = FSAttnConfig(k_granularity="token" if k_per_token else "block",
                        pv_format="fp8_e4m3" if v_dtype == FP8 else "16bit")
     w = weight if masked else torch.ones(2, 70, device=DEVICE)
-    k8, key_scale, k_mean = _quantize_k(k.float().transpose(1, 2), w, cfg, 32)
+    k8, key_scale, k_mean = _quantize_k(k.float().transpose(1, 2), w, k_per_token, 32)
     low = to_fp8 if v_dtype == FP8 else (lambda t: t.bfloat16().float())
     v_lo, v_scale, v_mean = _pack_v(v.float().transpose(1, 2), w, cfg, low)
     assert kv.k_q.shape == (2, 3, 96, 64) and kv.v_t.shape == (2, 3, 64, 96)
