@@ -140,7 +140,8 @@ def _on_gpu(query, key, value, key_weight, key_bias, scale, layout, config_json,
 
 
 class PreparedCall:
-    """The launches of one kind of call (:func:`_call_key`): the K/V pre-pass (two launches) and
+    """The launches of one kind of call (:func:`_call_key`): the K/V pre-pass (two launches; with
+    sorted keys three and a sort, and never from one allocation) and
     the forward (Q's quantisation and the attention kernel), each prepared for its shapes, so
     that a call only allocates its buffers and launches. ``run`` takes the call's operands."""
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from .config import FSAttnConfig
-from .plan import MIN_TILES_FOR_FROZEN_MAX
+from .plan import EMULATION, MIN_TILES_FOR_FROZEN_MAX, plan_for
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -150,14 +150,15 @@ def _pack_v(v, key_weight, config, low):
 
 
 def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_n: int,
-                   key_weight=None, key_bias=None, k_per_token=None, sort_keys=False):
+                   key_weight=None, key_bias=None, k_per_token=None, sort_keys=None):
     """Emulate the kernel on ``(B, S, H, D)`` views.
 
     Parameters
     ----------
-    k_per_token, sort_keys : the plan's (fsattn_diffusers/plan.py); `k_per_token` None: whether
-        ``config.k_granularity`` is ``"token"``. With `sort_keys` (no `key_bias`) each head's keys
-        are taken in :func:`key_order`, as the K/V pre-pass stores them.
+    k_per_token, sort_keys : bool or None
+        One K scale per key, and each head's keys taken in :func:`key_order` (as the K/V pre-pass
+        stores them; no `key_bias` then). None: as the plan of `config` decides
+        (fsattn_diffusers/plan.py).
     key_weight : Tensor (B, Sk) of 0/1 or None
         Boolean key-padding mask as weights (the kernel zeroes masked keys).
     key_bias : Tensor (B, Sk) float or None
@@ -188,8 +189,10 @@ def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_
     q8 = _round_half_away(q_log2 * (127.0 / q_amax)[..., None])
     qs = q_amax / 127.0
 
-    if k_per_token is None:
-        k_per_token = config.k_granularity == "token"
+    if k_per_token is None or sort_keys is None:
+        plan = plan_for(config, EMULATION, dim, key_bias is not None, q.dtype, seq_k)
+        k_per_token = plan.k_per_token if k_per_token is None else k_per_token
+        sort_keys = plan.sort_keys if sort_keys is None else sort_keys
     kf, vf = k.float().transpose(1, 2), v.float().transpose(1, 2)
     if sort_keys:
         if key_bias is not None:

@@ -12,7 +12,7 @@ where the Triton release builds three consumers unserialised; :func:`.configs.gl
 
     producer (4 warps, 24 registers)   for each key tile: wait until every consumer released the
                                        ring stage, then TMA K, V^T and the row-sum weights (and at
-                                       head dim 64 the K scales) into it
+                                       head dim 64 the per-key K scales) into it
     consumer w (4 warps, w = 0, 1[, 2])  its 64 rows of Q (TMA), then per key tile j: wait for the
                                        score GEMM, softmax; in its turn issue the row sum and PV
                                        of tile j, check P (below; or before the turn), issue the

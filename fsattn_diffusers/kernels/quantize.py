@@ -681,8 +681,8 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
                 n_programs_target=None) -> QuantizedKV:
     """Quantise K to INT8 and pack V (FP8 with per-channel scales, or 16-bit) for the forward kernel.
 
-    Two launches (statistics, then packing; module docstring); ``v_mean`` of the result is final
-    only after :func:`quantize_q` has run on it.
+    Two launches (statistics, then packing; with `sort_keys` a third and a sort between them:
+    module docstring); ``v_mean`` of the result is final only after :func:`quantize_q` has run on it.
 
     Parameters
     ----------
@@ -739,7 +739,7 @@ def kv_prepass(k, v, key_weight, *, block_n, d_pad, k_per_token, smooth_v, v_dty
 
 
 def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, **layout) -> QuantizedKV:
-    """quantize_kv's two launches with `n_split` programs per head of `tiles_per_program` tiles
+    """quantize_kv's launches with `n_split` programs per head of `tiles_per_program` tiles
     each (`layout`: :func:`kv_prepass`'s keyword arguments)."""
     return kv_prepass(k, v, key_weight, split=(n_split, tiles_per_program), **layout).run(k, v, key_weight)
 
@@ -753,7 +753,7 @@ def _kv_prepass(k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_progra
 
 
 class KVPrepass:
-    """:func:`quantize_kv`'s two launches for one shape of K/V (`w_stride`: the key weights'
+    """:func:`quantize_kv`'s launches for one shape of K/V (`w_stride`: the key weights'
     strides, None without weights), everything that depends only on shapes computed once:
     ``run(k, v, key_weight)`` allocates and launches; ``launch`` takes the buffers (tensors, or
     :class:`~.launch.Address` es of buffers laid out as :attr:`buffer_bytes` says, and
@@ -806,7 +806,7 @@ class KVPrepass:
 
     @property
     def direct(self) -> bool:
-        """Whether both launches go straight to their compiled kernels (:attr:`.launch.BoundLaunch.direct`);
+        """Whether the launches go straight to their compiled kernels (:attr:`.launch.BoundLaunch.direct`);
         never with ``sort_keys`` (the sort is torch's, on tensors)."""
         return not self._sort_keys and self._stats.direct and self._pack.direct
 

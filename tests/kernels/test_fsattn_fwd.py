@@ -74,6 +74,20 @@ def test_kernel_matches_emulation_and_reference(kernel_path, name, cfg):
         assert stats()["fallback_q_tiles"] == emu_fallbacks > 0, "the late sink must violate the frozen max"
 
 
+@pytest.mark.parametrize("family", ["peaky", "masked_keys"])
+def test_sorted_keys_kernel_matches_emulation(kernel_path, family):
+    # late_sink (above) leaves every key but the sink at P = 0: there the order cannot show. Here a
+    # kernel that ignored the order (or sorted the other way) differs from the emulation by ~2e-2.
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, mask = make_family(family, 2, 150, 200, 2, 64, dtype=torch.float32, generator=gen)
+    cfg = FSAttnConfig(k_granularity="sorted_block")
+    out, lse = fsattn(q, k, v, attn_mask=mask, return_lse=True, config=cfg)
+    emu, emu_lse, _ = _emulate(q, k, v, mask, cfg)
+    unsorted, _, _ = _emulate(q, k, v, mask, FSAttnConfig(k_granularity="block"))
+    assert rel_l1(out, emu) < 1e-4 < rel_l1(out, unsorted), "kernel and emulation disagree"
+    assert torch.allclose(lse, emu_lse, atol=1e-3)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_head_dims_and_layouts(kernel_path, head_dim, layout):
@@ -250,6 +264,26 @@ def test_gpu_families_against_float64_and_emulation(family, head_dim):
     assert rel_l1(out_sampled, emu_s) < 1e-2
     if family in ("late_sink", "max_staircase", "underflow"):
         assert stats()["fallback_q_tiles"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+def test_gpu_sorted_block_scales_on_every_family(family, head_dim):
+    # k_granularity="sorted_block" through the op (the warp-specialised kernel where it takes the
+    # call, GQA, masks per batch element), within the bounds and near the emulation of its numerics.
+    gen = torch.Generator().manual_seed(hash((family, head_dim, "sorted")) % 2**31)
+    q, k, v, mask = make_family(family, 2, 4096, 4096, 4, head_dim, device="cuda", generator=gen, kv_heads=2)
+    cfg = FSAttnConfig(k_granularity="sorted_block")
+    out = fsattn(q, k, v, attn_mask=mask, config=cfg)
+    again = fsattn(q, k, v, attn_mask=mask, config=cfg)  # the prepared call
+    ref, _ = attention_reference(q, k, v, mask)
+    min_cos, max_l1 = GPU_BOUNDS[family]
+    assert torch.equal(out, again) and torch.isfinite(out).all()
+    assert cosine(out, ref) >= min_cos and rel_l1(out, ref) <= max_l1
+    if family != "huge_magnitude":
+        emu, _, _ = _emulate(q, k, v, mask, cfg)
+        assert rel_l1(out, emu) < 2e-2
 
 
 @pytest.mark.gpu

@@ -7,6 +7,8 @@ families of docs/design.md §4.1 in ``tests/kernels/test_fsattn_fwd.py``'s GPU t
 too) and the single-warpgroup one (``kernel="gluon"``, opt-in). Each is checked against the Triton kernel and against float64.
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -140,7 +142,7 @@ def _use_max_policy(monkeypatch, ws, policy):
     real = ws.gluon_ws_forward
 
     def recorded(*args):
-        built.append(args[-1])  # max_policy
+        built.append(inspect.signature(real).bind(*args).arguments["max_policy"])
         return real(*args)
 
     monkeypatch.setattr(ws, "gluon_ws_forward", recorded)

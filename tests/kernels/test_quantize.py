@@ -13,7 +13,7 @@ from fsattn_diffusers import FSAttnConfig
 from fsattn_diffusers.kernels import quantize
 from fsattn_diffusers.kernels.fsattn_fwd import FROZEN_RESCALE, fsattn_fwd
 from fsattn_diffusers.kernels.quantize import PV_KEY_ORDERS, kv_split, quantize_kv, quantize_q, wgmma_key_of_column
-from fsattn_diffusers.reference import _pack_v, _quantize_k, emulate_fsattn, to_fp8
+from fsattn_diffusers.reference import _pack_v, _quantize_k, emulate_fsattn, key_order, to_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -180,6 +180,8 @@ def test_sorted_keys_are_the_packing_of_the_keys_in_order_of_size(poisoned, mask
     n_attended = keep.sum(-1)  # (B, 1)
     assert (size[..., : int(n_attended.min())] >= 0).all() and (size[..., int(n_attended.max()):] == -1).all()
     assert (order[:, :, seq:] >= seq).all(), "padding stays behind the keys, masked ones too"
+    # The emulation's order (torch's float32 statistics) is the same on these inputs.
+    assert torch.equal(order[:, :, :seq].cpu(), key_order(k.float().transpose(1, 2).cpu(), w.cpu()))
 
     # The real keys fill the first `seq` positions of every head: pack them in that order.
     head_order = order[:, :, :seq].transpose(1, 2)  # (B, S, H)

@@ -320,6 +320,14 @@ def test_the_warp_specialised_launcher_reads_the_k_scales_where_the_prepass_put_
         gluon_ws.prepare_fsattn_fwd_gluon_ws(None, wrong, None, None)
 
 
+def test_the_single_warpgroup_gluon_launcher_refuses_per_tile_k_scales():
+    # It reads one scale per key: a per-tile K/V pass would be read past its scales, silently.
+    gluon = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon", reason="no Gluon")
+    kv = SimpleNamespace(block_n=128, pv_key_order="natural", k_per_token=False)
+    with pytest.raises(ValueError, match="one K scale per key"):
+        gluon.prepare_fsattn_fwd_gluon(None, kv, None, None, num_stages=2)
+
+
 def test_the_warp_specialised_launcher_builds_once_per_consumer_count_and_max_policy(monkeypatch, ws_builds):
     # One shape, asked for with each consumer count and vote place in turn: each pair is its own
     # build (a launch cached for one must not serve another), and asking again reuses it.
