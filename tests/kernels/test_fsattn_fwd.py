@@ -234,7 +234,7 @@ GPU_BOUNDS = {
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
 def test_gpu_families_against_float64_and_emulation(family, head_dim):
-    gen = torch.Generator().manual_seed(hash((family, head_dim)) % 2**31)
+    gen = torch.Generator().manual_seed(1000 * INPUT_FAMILIES.index(family) + head_dim)  # hash() of a str varies by process
     q, k, v, mask = make_family(family, 2, 4096, 4096, 4, head_dim, device="cuda", generator=gen)
     reset_stats()
     out, lse = fsattn(q, k, v, attn_mask=mask, return_lse=True)
@@ -271,8 +271,10 @@ def test_gpu_families_against_float64_and_emulation(family, head_dim):
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
 def test_gpu_sorted_block_scales_on_every_family(family, head_dim):
     # k_granularity="sorted_block" through the op (the warp-specialised kernel where it takes the
-    # call, GQA, masks per batch element), within the bounds and near the emulation of its numerics.
-    gen = torch.Generator().manual_seed(hash((family, head_dim, "sorted")) % 2**31)
+    # call, GQA, masks per batch element), within the bounds; the Triton kernel with the same sorted
+    # pre-pass near the emulation of its numerics, and the op as close to float64 as it (the
+    # speculative max rounds P from another max, so the two are not bit-close).
+    gen = torch.Generator().manual_seed(1000 * INPUT_FAMILIES.index(family) + head_dim + 1)
     q, k, v, mask = make_family(family, 2, 4096, 4096, 4, head_dim, device="cuda", generator=gen, kv_heads=2)
     cfg = FSAttnConfig(k_granularity="sorted_block")
     out = fsattn(q, k, v, attn_mask=mask, config=cfg)
@@ -282,8 +284,10 @@ def test_gpu_sorted_block_scales_on_every_family(family, head_dim):
     assert torch.equal(out, again) and torch.isfinite(out).all()
     assert cosine(out, ref) >= min_cos and rel_l1(out, ref) <= max_l1
     if family != "huge_magnitude":
+        out_t = fsattn(q, k, v, attn_mask=mask, config=FSAttnConfig(k_granularity="sorted_block", kernel="triton"))
         emu, _, _ = _emulate(q, k, v, mask, cfg)
-        assert rel_l1(out, emu) < 2e-2
+        assert rel_l1(out_t, emu) < 1e-2, "the Triton kernel and its emulation disagree"
+        assert rel_l1(out, ref) <= 1.1 * rel_l1(out_t, ref) + 1e-3
 
 
 @pytest.mark.gpu
