@@ -164,12 +164,18 @@ def _first(a, b):
 
 
 @gluon.jit
-def _row_sums(l_tile):
-    """The row sums in the row-sum GEMM's tile. Every row of the weights in the "wgmma" order is
-    the key weights (:class:`QuantizedKV`), so every column of the tile is the row sum and each
-    thread keeps its own first: a reduction that returns its first operand, whose shuffles and
-    adds are dead code (summing the 16 columns took 10 FADD and 4 SHFL more per tile and warp)."""
-    return gl.reduce(l_tile, 1, _first)
+def _row_sums(l_tile, KS_SOURCE: gl.constexpr):
+    """The row sums in the row-sum GEMM's tile. With one K scale per tile (KS_TILE) every row of
+    the weights is the key weights (:class:`QuantizedKV`), so every column of the tile is the row
+    sum and each thread keeps its own first: a reduction that returns its first operand, whose
+    shuffles and adds are dead code. Otherwise only column 0 is the weights and the 16 columns are
+    summed: the first-column form was bit-equal there but 12 % slower at head dim 128 (NOTES v40),
+    while with per-tile scales it was 2-4 % faster."""
+    if KS_SOURCE == KS_TILE:
+        rows = gl.reduce(l_tile, 1, _first)
+    else:
+        rows = gl.sum(l_tile, 1)
+    return rows
 
 
 @gluon.jit
@@ -357,7 +363,7 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
         p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_tile.type.layout, k_width=4)
         ROWS: gl.constexpr = q_tile.shape[0]
         BLOCK_N: gl.constexpr = k_tile.shape[0]
-        l_acc = l_acc + gl.convert_layout(_row_sums(l_tile), row_layout)
+        l_acc = l_acc + gl.convert_layout(_row_sums(l_tile, KS_SOURCE), row_layout)
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
@@ -519,7 +525,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_SOURCE: gl.constexp
         # Groups retire in order: with one left in flight, the row sum and PV are done.
         acc, l_tile = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok, l_tok))
         mbarrier.arrive(empty.index(stage), count=1)
-        l_acc = l_acc + gl.convert_layout(_row_sums(l_tile), row_layout)
+        l_acc = l_acc + gl.convert_layout(_row_sums(l_tile, KS_SOURCE), row_layout)
 
     last = n_tiles - 1
     stage = last % STAGES
@@ -545,7 +551,7 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_SOURCE: gl.constexp
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
-    l_acc = l_acc + gl.convert_layout(_row_sums(l_tile), row_layout)
+    l_acc = l_acc + gl.convert_layout(_row_sums(l_tile, KS_SOURCE), row_layout)
     _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
               b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, SPEC_OFFSET if SPECULATIVE else 8.0)
 

@@ -54,8 +54,8 @@ from .lowp import IN_INTERPRETER, LOG2E, to_low_precision
 # e4m3fn's largest finite value.
 FP8_E4M3_MAX = 448.0
 # Width of the tile that carries each key's weight into the row-sum GEMM: the smallest N of an
-# FP8 wgmma that Triton accepts (in the "natural" key order only column 0 is non-zero; in the
-# "wgmma" order every column is the weights, see QuantizedKV).
+# FP8 wgmma that Triton accepts (only column 0 is non-zero, except in the "wgmma" order with one
+# K scale per tile, where every column is the weights; see QuantizedKV).
 ROWSUM_COLS = 16
 
 PV_KEY_ORDERS = ("natural", "wgmma")
@@ -150,8 +150,8 @@ class QuantizedKV:
     v_scale: torch.Tensor  # fp32 (B, Hkv, D_pad)
     v_mean: torch.Tensor  # fp32 (B, Hkv, D_pad): added back by the epilogue (final after quantize_q)
     # The row-sum GEMM's operand, v_t's dtype (B or 1, ROWSUM_COLS, S_pad): row 0 is each key's
-    # weight (1 attended, 0 masked or padding), the other rows zero; in the "wgmma" order every
-    # row is the weights, so that every column of the GEMM's tile is the row sum.
+    # weight (1 attended, 0 masked or padding), the other rows zero; in the "wgmma" order with one
+    # K scale per tile every row is the weights, so that every column of the GEMM's tile is the row sum.
     rowsum_weights: torch.Tensor
     k_per_token: bool
     block_n: int
@@ -658,7 +658,8 @@ def _quantize_kv_kernel(
         v_err += tl.sum(tl.reshape(v_low.to(tl.float32) - v, [SUB_N // V_ERR_ROWS, V_ERR_ROWS, D_PAD]), 0)
         tl.store(vt_ptr + (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + columns[:, None], v_low)
         if writes_weights:
-            if WGMMA_ORDER:  # every row: the warp-specialised kernel reads each thread's first column
+            if WGMMA_ORDER and not K_PER_TOKEN:  # every row: the warp-specialised kernel's per-tile path
+                # reads each thread's first column
                 w_tile = tl.broadcast_to(weight[None, :], [ROWSUM_COLS, SUB_N])
             else:
                 w_tile = tl.where((w_row == 0)[:, None], weight[None, :], 0.0)

@@ -109,13 +109,14 @@ def _check_prepass(k, v, weight, kv, v_shift, *, block_n, smooth_v, v_dtype):
     expected = v_shift[..., :dim].double() - err * kv.v_scale[..., :dim].double()
     torch.testing.assert_close(kv.v_mean[..., :dim].double(), expected, rtol=1e-6, atol=1e-6)
 
-    # Row-sum weights: row 0 the key weight, rows 1-15 zero (in the "wgmma" order, the key weight
-    # too: the warp-specialised kernel reads any one column of the GEMM's tile); one row block unless masked.
+    # Row-sum weights: row 0 the key weight, rows 1-15 zero (in the "wgmma" order with per-tile K
+    # scales, the key weight too: the warp-specialised kernel then reads one column of the GEMM's
+    # tile); one row block unless masked.
     weights = torch.nn.functional.pad(w, (0, s_pad - seq))[: 1 if weight is None else bsz]
     assert kv.rowsum_weights.dtype == v_dtype and kv.rowsum_weights.shape == (weights.shape[0], 16, s_pad)
     assert torch.equal(kv.rowsum_weights[:, 0].float(), weights[:, keys])
     others = weights[:, None, keys].expand(-1, 15, -1)
-    if kv.pv_key_order != "wgmma":
+    if kv.pv_key_order != "wgmma" or kv.k_per_token:
         others = torch.zeros_like(others)
     assert torch.equal(kv.rowsum_weights[:, 1:].float(), others)
 
