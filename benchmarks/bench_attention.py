@@ -41,6 +41,7 @@ VARIANTS = {
     "exp_half": {"exp_offload": 0.5},
     "exp_bits": {"exp_offload": 1.0},
     "k_block": {"k_granularity": "block"},
+    "k_sorted": {"k_granularity": "sorted_block"},
     "rowsum_fma": {"rowsum": "fma"},
     "pv_hw_acc": {"pv_accum": "hw"},
 }

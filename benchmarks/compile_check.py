@@ -46,9 +46,10 @@ SM90 = (9, 0)
 # multiple of 16; 12 heads), short enough that the launchers' CPU-side work takes milliseconds.
 SEQ_LEN, HEADS = 1000, 12
 
-_BASE_VARIANT = dict(frozen=fwd.FROZEN_RESCALE, exp_mode=fwd.EXP_MODE_SFU, k_per_token=True,
+_BASE_VARIANT = dict(frozen=fwd.FROZEN_RESCALE, exp_mode=fwd.EXP_MODE_SFU, k_per_token=True, sort_keys=False,
                      v_dtype=torch.float8_e4m3fn, pv_fp32=True, rowsum_mma=True, bias=False)
-# The Triton kernel's variants: arguments of quantize_kv (k_per_token, v_dtype) and fsattn_fwd (the rest).
+# The Triton kernel's variants: arguments of quantize_kv (k_per_token, sort_keys, v_dtype) and
+# fsattn_fwd (the rest).
 VARIANTS = {name: {**_BASE_VARIANT, **changes} for name, changes in {
     "default": {},
     "online": dict(frozen=fwd.FROZEN_OFF),
@@ -57,6 +58,7 @@ VARIANTS = {name: {**_BASE_VARIANT, **changes} for name, changes in {
     "exp_half": dict(exp_mode=fwd.EXP_MODE_HALF),
     "exp_bits": dict(exp_mode=fwd.EXP_MODE_BITS),
     "k_block": dict(k_per_token=False),
+    "k_sorted": dict(k_per_token=False, sort_keys=True),
     "rowsum_fma": dict(rowsum_mma=False),
     "pv_hw_acc": dict(pv_fp32=False),
     "bias": dict(bias=True),
@@ -200,7 +202,7 @@ def build_triton(variant="default", tiles: LaunchConfig | None = None, head_dim=
         key_weight = key_weight.float()
     with sm90_builds() as builds:
         kv = quantize.quantize_kv(k, val, key_weight, block_n=tiles.block_n, d_pad=padded_head_dim(head_dim),
-                                  k_per_token=v["k_per_token"], v_dtype=v["v_dtype"])
+                                  k_per_token=v["k_per_token"], sort_keys=v["sort_keys"], v_dtype=v["v_dtype"])
         bias = torch.zeros(1, kv.k_q.shape[2]) if v["bias"] else None
         fwd.fsattn_fwd(q, kv, out, lse, torch.zeros(1, dtype=torch.int32), sm_scale=head_dim ** -0.5, bias=bias,
                        frozen=v["frozen"], exp_mode=v["exp_mode"], pv_fp32=v["pv_fp32"], rowsum_mma=v["rowsum_mma"],
@@ -223,10 +225,11 @@ def build_gluon(tiles: LaunchConfig | None = None, head_dim=128):
 
 
 def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_N, speculative=None,
-                   bool_mask=False):
+                   bool_mask=False, sorted_keys=False):
     """The builds of one warp-specialised Gluon-kernel call
     (``fsattn_diffusers.kernels.fsattn_fwd_gluon_ws``); the defaults are the op's. `bool_mask`:
-    with a boolean key-padding mask (HunyuanVideo's calls)."""
+    with a boolean key-padding mask (HunyuanVideo's calls); `sorted_keys`: keys sorted by size,
+    one K scale per tile (``k_granularity="sorted_block"``)."""
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
 
     q, k, v, out, lse = _attention_inputs(head_dim)
@@ -234,7 +237,7 @@ def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_
     key_weight = _padding_weights() if bool_mask else None
     with sm90_builds() as builds:
         kv = quantize.quantize_kv(k, v, key_weight, block_n=block_n, d_pad=padded_head_dim(head_dim),
-                                  pv_key_order="wgmma")
+                                  pv_key_order="wgmma", k_per_token=not sorted_keys, sort_keys=sorted_keys)
         wk.fsattn_fwd_gluon_ws(q, kv, out, lse, sm_scale=head_dim ** -0.5, num_stages=stages, **options)
     return builds
 
@@ -284,6 +287,9 @@ def matrix_entries():
                                                                             block_n=block_n))
                     for block_n in (128, 64)]
     entries.append(("gluon_ws d128 n128 boolean mask", functools.partial(build_gluon_ws, bool_mask=True)))
+    entries += [(f"gluon_ws d{head_dim} n128 sorted keys", functools.partial(build_gluon_ws, head_dim=head_dim,
+                                                                            sorted_keys=True))
+                for head_dim in (128, 64)]
     entries += [(f"gelu_fp8 n{n_cols}", functools.partial(build_gelu_fp8, n_cols)) for n_cols in (8960, 12288, 13824)]
     entries += [(f"qk_norm_rope h{heads}", functools.partial(build_qk_norm_rope, heads)) for heads in (12, 40)]
     return entries

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .kernels.configs import P_LOG2_CEILING
 
 _CHOICES = {
-    "k_granularity": ("block", "token"),
+    "k_granularity": ("block", "sorted_block", "token"),
     "pv_format": ("fp8_e4m3", "16bit"),
     "max_policy": ("sampled", "online"),
     "on_violation": ("rescale", "recompute"),
@@ -39,10 +39,17 @@ class FSAttnConfig:
 
     Attributes
     ----------
-    k_granularity : {"block", "token"}
-        One scale per block of ``block_n`` keys (a per-tile scalar in the kernel: the
-        dequantisation is one FMA per score) or one per key (one more multiply per score; more
-        accurate on peaky scores).
+    k_granularity : {"token", "block", "sorted_block"}
+        ``"token"`` (default): one K scale per key (a multiply per score before the dequantising
+        FMA). ``"block"``: one per block of ``block_n`` keys (a per-tile scalar in the kernel:
+        the dequantisation is one FMA per score), but a block's largest key sets the step of all
+        its keys, which costs accuracy on peaky scores. ``"sorted_block"``: one per block after
+        the K/V pre-pass has ordered each head's keys by their size (the largest absolute value of
+        the mean-removed key), largest first, masked keys last; attention does not depend on the
+        keys' order, and each block then holds keys of nearly one size, so it stays about as
+        accurate as ``"token"`` (docs/design.md §2.2). Calls with a float mask keep one scale per
+        key under ``"sorted_block"`` (a float mask is read as a bias per key, which would have to
+        follow each head's order).
     pv_format : {"fp8_e4m3", "16bit"}
         Format of P and V in the PV GEMM. ``"fp8_e4m3"``: FP8 with one scale per V channel, the
         fast path. ``"16bit"``: P and V in bf16 (fp16 for fp16 inputs), twice the PV GEMM's
@@ -117,8 +124,9 @@ class FSAttnConfig:
         the two are equally close to exact attention but not bit-equal. ``"gluon"`` (Hopper only,
         kept as the simplest Gluon schedule, slower than the Triton kernel). Both Gluon kernels
         cover the default numerics only (online max policy, per-key K scales, FP8 PV with the
-        hardware accumulator, tensor-core row sum, no float mask); other calls and other GPUs run
-        the Triton kernel (fsattn_diffusers/plan.py decides).
+        hardware accumulator, tensor-core row sum, no float mask), the warp-specialised one also
+        ``k_granularity="sorted_block"``; other calls and other GPUs run the Triton kernel
+        (fsattn_diffusers/plan.py decides).
     check_finite : bool
         Check the inputs for NaN and Inf and raise (costs a pass over the inputs and a sync).
     """

@@ -95,7 +95,7 @@ def attention_impl(query, key, value, key_weight, key_bias, scale: float, layout
         out, lse = _outputs(query, q)
         o, lse_e, fallbacks = emulate_fsattn(
             q, k, v, scale=scale, config=cfg, block_m=plan.block_m, block_n=plan.block_n,
-            key_weight=key_weight, key_bias=key_bias)
+            key_weight=key_weight, key_bias=key_bias, k_per_token=plan.k_per_token, sort_keys=plan.sort_keys)
         _as_bshd(out, layout).copy_(o)
         lse.copy_(lse_e)
         stats.record_call("emulation", q_tiles)
@@ -140,7 +140,8 @@ def _on_gpu(query, key, value, key_weight, key_bias, scale, layout, config_json,
 
 
 class PreparedCall:
-    """The launches of one kind of call (:func:`_call_key`): the K/V pre-pass (two launches) and
+    """The launches of one kind of call (:func:`_call_key`): the K/V pre-pass (two launches; with
+    sorted keys three and a sort, and never from one allocation) and
     the forward (Q's quantisation and the attention kernel), each prepared for its shapes, so
     that a call only allocates its buffers and launches. ``run`` takes the call's operands."""
 
@@ -222,7 +223,8 @@ def _prepare_and_run(plan, cfg, query, key, value, key_weight, key_bias, scale, 
 
     q, k, v = (_as_bshd(t, layout) for t in (query, key, value))
     prepass = kv_prepass(k, v, key_weight, block_n=plan.block_n, d_pad=plan.d_pad, k_per_token=plan.k_per_token,
-                         smooth_v=plan.smooth_v, v_dtype=plan.v_dtype, pv_key_order=plan.pv_key_order)
+                         smooth_v=plan.smooth_v, v_dtype=plan.v_dtype, pv_key_order=plan.pv_key_order,
+                         sort_keys=plan.sort_keys)
     kv = prepass.run(k, v, key_weight)
     out_in_layout, lse = _outputs(query, q)
     out = _as_bshd(out_in_layout, layout)

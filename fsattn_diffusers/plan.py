@@ -46,11 +46,12 @@ class LaunchPlan:
 
     kernel: str
     block_m: int  # query rows per program
-    block_n: int  # keys per tile, also the K-scale granularity of k_granularity="block"
+    block_n: int  # keys per tile, also the K-scale granularity of k_granularity "block" and "sorted_block"
     num_warps: int
     num_stages: int
     d_pad: int  # head dim padded for the INT8 GEMM
     k_per_token: bool
+    sort_keys: bool  # the K/V pre-pass orders each head's keys by size (k_granularity="sorted_block")
     v_dtype: torch.dtype
     smooth_v: bool
     pv_key_order: str  # "natural", or "wgmma" for the warp-specialised kernel
@@ -102,10 +103,15 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
         frozen = FROZEN_OFF
     else:
         frozen = FROZEN_RESCALE if config.on_violation == "rescale" else FROZEN_RECOMPUTE
+    # Sorted keys need a key order per head; a bias is one per key for every head, so with one the
+    # keys stay in order and keep a scale each.
+    sort_keys = config.k_granularity == "sorted_block" and not has_bias
     plan = LaunchPlan(
         kernel="triton", block_m=config.block_m or base.block_m, block_n=config.block_n or base.block_n,
         num_warps=config.num_warps or base.num_warps, num_stages=config.num_stages or base.num_stages,
-        d_pad=d_pad, k_per_token=config.k_granularity == "token", v_dtype=pv_dtype(config, dtype),
+        d_pad=d_pad, k_per_token=config.k_granularity == "token" or (config.k_granularity == "sorted_block"
+                                                                     and has_bias),
+        sort_keys=sort_keys, v_dtype=pv_dtype(config, dtype),
         smooth_v=config.smooths_v, pv_key_order="natural", sampled_max_mode=frozen,
         exp_mode=_EXP_MODES[float(config.exp_offload)], pv_fp32=config.pv_accum == "fp32",
         rowsum_mma=config.rowsum == "mma", max_threshold=float(config.max_threshold))
@@ -131,16 +137,18 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
 
 
 def _default_numerics(plan: LaunchPlan, has_bias: bool) -> bool:
-    """The numerics both Gluon kernels implement: online max, per-key K scales, FP8 PV with the
-    hardware accumulator, the row sum on the tensor cores, no float mask."""
+    """The numerics both Gluon kernels implement, but for the K scales (per key in both; per tile
+    over sorted keys also in the warp-specialised one): online max, FP8 PV with the hardware
+    accumulator, the row sum on the tensor cores, no float mask."""
     return (not has_bias and plan.sampled_max_mode == FROZEN_OFF and plan.exp_mode == EXP_MODE_SFU and not plan.pv_fp32
-            and plan.rowsum_mma and plan.k_per_token and plan.v_dtype == torch.float8_e4m3fn)
+            and plan.rowsum_mma and plan.v_dtype == torch.float8_e4m3fn)
 
 
 def _gluon_ws_covers(plan: LaunchPlan, has_bias: bool, config: FSAttnConfig) -> bool:
     from .kernels.configs import GLUON_WS_MAX_STAGES, GLUON_WS_ROWS
 
-    return (_default_numerics(plan, has_bias) and plan.block_n in GLUON_WS_MAX_STAGES
+    return (_default_numerics(plan, has_bias) and (plan.k_per_token or plan.sort_keys)
+            and plan.block_n in GLUON_WS_MAX_STAGES
             and (config.block_m or GLUON_WS_ROWS) == GLUON_WS_ROWS and plan.num_warps == 4
             and 2 <= plan.num_stages <= GLUON_WS_MAX_STAGES[plan.block_n])
 
@@ -148,7 +156,7 @@ def _gluon_ws_covers(plan: LaunchPlan, has_bias: bool, config: FSAttnConfig) -> 
 def _gluon_covers(plan: LaunchPlan, has_bias: bool) -> bool:
     # Only the tiles it was tested with. With one stage the loop would wait for a tile it issues
     # only later (a hang); more than four do not fit shared memory at head dim 128.
-    return (_default_numerics(plan, has_bias) and plan.block_m == 64 and plan.block_n == 128
+    return (_default_numerics(plan, has_bias) and plan.k_per_token and plan.block_m == 64 and plan.block_n == 128
             and plan.num_warps == 4 and 2 <= plan.num_stages <= 4)
 
 

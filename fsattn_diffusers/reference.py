@@ -18,7 +18,7 @@ import math
 import torch
 
 from .config import FSAttnConfig
-from .plan import MIN_TILES_FOR_FROZEN_MAX
+from .plan import EMULATION, MIN_TILES_FOR_FROZEN_MAX, plan_for
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -98,8 +98,17 @@ def _masked_mean(x, key_weight):
     return x.sum(2) / key_weight.sum(1).clamp_min(1.0)[:, None, None]
 
 
-def _quantize_k(k, key_weight, config, block_n):
-    """INT8 K after smoothing, one scale per key or per block; k (B, H, S, D) float32.
+def key_order(k, key_weight):
+    """The order of ``quantize_kv(sort_keys=True)``: per (batch, head) of k (B, H, S, D) float32,
+    the keys by size (the largest magnitude of the key less the mean of the attended keys),
+    largest first, masked keys last, ties in key order; int64 (B, H, S)."""
+    centred = (k - _masked_mean(k, key_weight)[:, :, None]).abs().amax(-1)
+    size = torch.where(key_weight[:, None, :] != 0, centred, -1.0)
+    return torch.argsort(size, dim=-1, descending=True, stable=True)
+
+
+def _quantize_k(k, key_weight, per_token, block_n):
+    """INT8 K after smoothing, one scale per key (`per_token`) or per block; k (B, H, S, D) float32.
 
     Returns (k8 padded to whole tiles, per-key scales (B, H, S_pad), mean)."""
     bsz, heads, seq_k, dim = k.shape
@@ -107,7 +116,7 @@ def _quantize_k(k, key_weight, config, block_n):
     k_mean = _masked_mean(k, key_weight)
     kc = torch.where(key_weight[:, None, :, None] != 0, k - k_mean[:, :, None], 0.0)
     kc = torch.nn.functional.pad(kc, (0, 0, 0, s_pad - seq_k))
-    if config.k_granularity == "token":
+    if per_token:
         amax = kc.abs().amax(-1).clamp_min(1e-20)  # (B, H, S_pad)
         k8 = _round_half_away(kc * (127.0 / amax)[..., None])
         return k8, amax / 127.0, k_mean
@@ -141,11 +150,15 @@ def _pack_v(v, key_weight, config, low):
 
 
 def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_n: int,
-                   key_weight=None, key_bias=None):
+                   key_weight=None, key_bias=None, k_per_token=None, sort_keys=None):
     """Emulate the kernel on ``(B, S, H, D)`` views.
 
     Parameters
     ----------
+    k_per_token, sort_keys : bool or None
+        One K scale per key, and each head's keys taken in :func:`key_order` (as the K/V pre-pass
+        stores them; no `key_bias` then). None: as the plan of `config` decides
+        (fsattn_diffusers/plan.py).
     key_weight : Tensor (B, Sk) of 0/1 or None
         Boolean key-padding mask as weights (the kernel zeroes masked keys).
     key_bias : Tensor (B, Sk) float or None
@@ -176,8 +189,20 @@ def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_
     q8 = _round_half_away(q_log2 * (127.0 / q_amax)[..., None])
     qs = q_amax / 127.0
 
-    k8, key_scale, k_mean = _quantize_k(k.float().transpose(1, 2), key_weight, config, block_n)
-    v_lo, v_scale, v_mean = _pack_v(v.float().transpose(1, 2), key_weight, config, low)
+    if k_per_token is None or sort_keys is None:
+        plan = plan_for(config, EMULATION, dim, key_bias is not None, q.dtype, seq_k)
+        k_per_token = plan.k_per_token if k_per_token is None else k_per_token
+        sort_keys = plan.sort_keys if sort_keys is None else sort_keys
+    kf, vf = k.float().transpose(1, 2), v.float().transpose(1, 2)
+    if sort_keys:
+        if key_bias is not None:
+            raise ValueError("sorted keys take no key bias (it would have to follow each head's order)")
+        order = key_order(kf, key_weight)[..., None]
+        kf, vf = kf.gather(2, order.expand_as(kf)), vf.gather(2, order.expand_as(vf))
+        # Masked keys come last in every head: the first n_attended keys of each are attended.
+        key_weight = (torch.arange(seq_k, device=dev)[None] < (key_weight != 0).sum(1, keepdim=True)).float()
+    k8, key_scale, k_mean = _quantize_k(kf, key_weight, k_per_token, block_n)
+    v_lo, v_scale, v_mean = _pack_v(vf, key_weight, config, low)
     v_lo = torch.nn.functional.pad(v_lo, (0, 0, 0, s_pad - seq_k))
     w_pad = torch.nn.functional.pad(key_weight, (0, s_pad - seq_k))  # (B, S_pad)
     bias = None

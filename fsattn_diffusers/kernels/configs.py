@@ -64,7 +64,8 @@ GLUON_WS_KS_IN_RING_MAX_D = 64
 
 
 def gluon_ws_ks_in_ring(d_pad: int) -> bool:
-    """Whether the warp-specialised kernel's producer brings the K scales into the ring stage."""
+    """Whether the warp-specialised kernel's producer brings per-key K scales into the ring stage
+    (one scale per tile is a scalar the consumers load themselves)."""
     return d_pad <= GLUON_WS_KS_IN_RING_MAX_D
 
 

@@ -156,6 +156,8 @@ def prepare_fsattn_fwd_gluon(q, kv, out, lse, *, block_m=64, num_warps=4, num_st
                          f"block_n={kv.block_n}, num_warps={num_warps}, num_stages={num_stages}")
     if kv.pv_key_order != "natural":
         raise ValueError(f"the Gluon kernel reads V in the natural key order, got {kv.pv_key_order!r}")
+    if not kv.k_per_token:
+        raise ValueError("the Gluon kernel reads one K scale per key (quantize_kv(..., k_per_token=True))")
     operands = gluon_operands(q, kv, out, lse, block_m=block_m, q_tile_rows=block_m)
     return gluon_forward(operands, kv.block_n, kv.k_q.shape[3], num_stages)
 

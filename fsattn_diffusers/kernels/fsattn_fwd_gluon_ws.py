@@ -12,7 +12,7 @@ where the Triton release builds three consumers unserialised; :func:`.configs.gl
 
     producer (4 warps, 24 registers)   for each key tile: wait until every consumer released the
                                        ring stage, then TMA K, V^T and the row-sum weights (and at
-                                       head dim 64 the K scales) into it
+                                       head dim 64 the per-key K scales) into it
     consumer w (4 warps, w = 0, 1[, 2])  its 64 rows of Q (TMA), then per key tile j: wait for the
                                        score GEMM, softmax; in its turn issue the row sum and PV
                                        of tile j, check P (below; or before the turn), issue the
@@ -49,6 +49,8 @@ runs beside them (NOTES v30 (f), v34); voting before a tile's GEMMs are issued
 (:func:`_early_voted_p8`) they build cleanly, so from 3.8 on three consumers vote early at head dim
 64: 590 TFLOP/s under 3.9.0 against 543 for two voting late (NOTES v35;
 :func:`.configs.gluon_ws_votes_early`, which also says why the early vote is not taken elsewhere).
+With ``quantize_kv(k_per_token=False)`` (``k_granularity="sorted_block"``: the keys sorted by size
+first) each tile's one K scale is folded into Q's row factor (``KS_TILE``).
 fsattn_diffusers/plan.py sends it padded head dims 64 and 128.
 Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 """
@@ -66,7 +68,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
 from .configs import GLUON_WS_MAX_STAGES as MAX_STAGES
 from .configs import GLUON_WS_ROWS as CONSUMER_ROWS
 from .configs import FP_FUSION, GLUON_WS_STAGES, gluon_ws_consumers, gluon_ws_ks_in_ring, gluon_ws_votes_early
-from .gluon_common import ROWSUM_N, GluonOperands, _descriptor, _epilogue, _program_rows, _softmax_tile, gluon_operands
+from .gluon_common import (ROWSUM_N, GluonOperands, _descriptor, _epilogue, _program_rows, _softmax_scaled,
+                           gluon_operands)
 from .gluon_compat import tma_async_load
 from .launch import BoundLaunch
 
@@ -80,7 +83,7 @@ PRODUCER_REGS = 24
 
 
 @gluon.jit
-def _producer(KS_IN_RING: gl.constexpr, q_desc, k_desc, vt_desc, w_desc, ks_desc, q_smem, k_smem, vt_smem, w_smem,
+def _producer(KS_SOURCE: gl.constexpr, q_desc, k_desc, vt_desc, w_desc, ks_desc, q_smem, k_smem, vt_smem, w_smem,
               ks_smem, q_bars, ready, empty, q_row, kv_row, vt_row, w_row, n_tiles):
     # Sizes from the shared-memory shapes (constexpr; warp_specialize passes arguments as values).
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -95,7 +98,7 @@ def _producer(KS_IN_RING: gl.constexpr, q_desc, k_desc, vt_desc, w_desc, ks_desc
         # the first lap over the ring does not wait.
         mbarrier.wait(empty.index(stage), ((tile // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
-        if KS_IN_RING:
+        if KS_SOURCE == KS_RING:
             mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + w_desc.block_type.nbytes
                             + ks_desc.block_type.nbytes)
             tma_async_load(ks_desc, [kv_row + tile * BLOCK_N], bar, ks_smem.index(stage))
@@ -154,6 +157,26 @@ VOTE_BEFORE_GEMMS = gl.constexpr(2)
 @gluon.jit
 def _or(a, b):
     return a | b
+
+
+@gluon.jit
+def _first(a, b):
+    return a
+
+
+@gluon.jit
+def _row_sums(l_tile, KS_SOURCE: gl.constexpr):
+    """The row sums in the row-sum GEMM's tile. With one K scale per tile (KS_TILE) every row of
+    the weights is the key weights (:class:`QuantizedKV`), so every column of the tile is the row
+    sum and each thread keeps its own first: a reduction that returns its first operand, whose
+    shuffles and adds are dead code. Otherwise only column 0 is the weights and the 16 columns are
+    summed: the first-column form was bit-equal there but 12 % slower at head dim 128 (NOTES v40),
+    while with per-tile scales it was 2-4 % faster."""
+    if KS_SOURCE == KS_TILE:
+        rows = gl.reduce(l_tile, 1, _first)
+    else:
+        rows = gl.sum(l_tile, 1)
+    return rows
 
 
 @gluon.jit
@@ -255,6 +278,27 @@ def _rescaled(acc, l_acc, alpha):
     return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1), l_acc * alpha
 
 
+# Where a consumer reads a key tile's K scales (the kernel's KS_SOURCE): one per key from global
+# memory, loaded a softmax ahead (head dims above GLUON_WS_KS_IN_RING_MAX_D); one per key from the
+# ring stage, brought by the producer; or one per tile (quantize_kv(k_per_token=False), with the keys
+# sorted by size so that it stays accurate: docs/design.md §2.2), a scalar folded into Q's scale, so
+# that no score needs a multiply of its own (77 fewer instructions per tile and warp at head dim 128,
+# benchmarks/NOTES.md v39).
+KS_GLOBAL = gl.constexpr(0)
+KS_RING = gl.constexpr(1)
+KS_TILE = gl.constexpr(2)
+
+
+@gluon.jit
+def _scaled_scores(s, ks, qs, KS_SOURCE: gl.constexpr):
+    """(the INT32 scores as FP32 times their key's scale, each row's factor to log2 units): with
+    one K scale per tile the scale goes into the row factor instead."""
+    if KS_SOURCE == KS_TILE:
+        return s.to(gl.float32), qs * ks
+    else:
+        return s.to(gl.float32) * gl.expand_dims(ks, 0), qs
+
+
 @gluon.jit
 def _p_from(pre, qs, m):
     """P = 2^(x - m + SPEC_OFFSET) from the scores times their key's scale, `pre`, and a max m."""
@@ -262,20 +306,24 @@ def _p_from(pre, qs, m):
 
 
 @gluon.jit
-def _key_scales(ks_stage, ks_tile_ptr, BLOCK_N: gl.constexpr, layout: gl.constexpr, KS_IN_RING: gl.constexpr):
-    """A key tile's BLOCK_N K scales: from its ring stage (KS_IN_RING) or from global memory."""
-    if KS_IN_RING:
+def _key_scales(ks_stage, ks_tile_ptr, BLOCK_N: gl.constexpr, layout: gl.constexpr, KS_SOURCE: gl.constexpr):
+    """A key tile's K scales (KS_SOURCE): BLOCK_N from its ring stage or from global memory, or
+    the tile's one."""
+    if KS_SOURCE == KS_RING:
         ks = ks_stage.load(layout)
+    elif KS_SOURCE == KS_TILE:
+        ks = gl.load(ks_tile_ptr)
     else:
         ks = gl.load(ks_tile_ptr + gl.arange(0, BLOCK_N, layout=layout))
     return ks
 
 
 @gluon.jit
-def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr):
+def _speculative_p8(s, ks, qs, m, p_layout: gl.constexpr, KS_SOURCE: gl.constexpr):
     """A tile's P from the running max m, as FP8 in the PV operand's layout, and its saturation
     flags (:func:`_to_fp8_words`)."""
-    p = _p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m)
+    pre, qk = _scaled_scores(s, ks, qs, KS_SOURCE)
+    p = _p_from(pre, qk, m)
     words, flags = _to_fp8_words(_in_wgmma_order(p, p_layout))
     return _words_to_fp8(words), flags
 
@@ -299,7 +347,7 @@ def _fp8_rounded(p):
 
 @gluon.jit
 def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, q_tile, k_tile, w_tile, vt_tile,
-                            ks_stage, ks_tile_ptr, n_tiles, KS_IN_RING: gl.constexpr):
+                            ks_stage, ks_tile_ptr, n_tiles, KS_SOURCE: gl.constexpr):
     """The running max, row sums and GEMM tokens after a tile whose row-sum and PV GEMMs were
     issued with its speculative P (consumer c's; `n_tiles`: any scalar for the vote): its
     saturation flag is voted on by the warpgroup while they run, and only a saturated tile waits
@@ -316,17 +364,17 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
         p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_tile.type.layout, k_width=4)
         ROWS: gl.constexpr = q_tile.shape[0]
         BLOCK_N: gl.constexpr = k_tile.shape[0]
-        l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+        l_acc = l_acc + gl.convert_layout(_row_sums(l_tile, KS_SOURCE), row_layout)
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        ks = _key_scales(ks_stage, ks_tile_ptr, BLOCK_N, gl.SliceLayout(0, s_layout), KS_IN_RING)
-        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
-        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+        ks = _key_scales(ks_stage, ks_tile_ptr, BLOCK_N, gl.SliceLayout(0, s_layout), KS_SOURCE)
+        pre, qk = _scaled_scores(s, ks, qs, KS_SOURCE)
+        m_new = gl.maximum(m, gl.max(pre, 1) * qk)
         alpha = gl.exp2(m - m_new)
         # One elementwise expression, so that no two FP32 tiles are live at once (registers); its
         # P_spec takes _speculative_p8's instructions, so it is the P the GEMMs used.
-        d = _p_from(pre, qs, m_new) - gl.expand_dims(alpha, 1) * _fp8_rounded(_p_from(pre, qs, m))
+        d = _p_from(pre, qk, m_new) - gl.expand_dims(alpha, 1) * _fp8_rounded(_p_from(pre, qk, m))
         m = m_new
         d8 = _in_wgmma_order(d, p_o_layout).to(gl.float8e4nv)
         acc, l_acc = _rescaled(acc, l_acc, alpha)
@@ -340,15 +388,16 @@ def _corrected_if_saturated(c: gl.constexpr, flags, qs, m, l_acc, o_tok, l_tok, 
 
 
 @gluon.jit
-def _early_voted_p8(c: gl.constexpr, s, ks, qs, m, acc, l_acc, q_tile, k_tile, n_tiles, p_layout: gl.constexpr):
+def _early_voted_p8(c: gl.constexpr, s, ks, qs, m, acc, l_acc, q_tile, k_tile, n_tiles, p_layout: gl.constexpr,
+                    KS_SOURCE: gl.constexpr):
     """A tile's P (FP8, PV operand layout) from the running max m, voted on before any GEMM of the
     tile is issued (consumer c's; `n_tiles`: any scalar for the vote), when the accumulators have
     settled: a saturated tile takes its scores again (score GEMM re-issued, as in
     :func:`_corrected_if_saturated`), its P from its true max, and the accumulators are rescaled
     to it. Returns P and the running max and accumulators after the tile. No GEMM of the tile is in
     flight across the branch, which Triton 3.8 on needs to build three consumers unserialised."""
-    words, flags = _to_fp8_words(_in_wgmma_order(_p_from(s.to(gl.float32) * gl.expand_dims(ks, 0), qs, m),
-                                                 p_layout))
+    pre, qk = _scaled_scores(s, ks, qs, KS_SOURCE)
+    words, flags = _to_fp8_words(_in_wgmma_order(_p_from(pre, qk, m), p_layout))
     if _any_flag(flags, c, n_tiles):
         s_layout: gl.constexpr = l_acc.type.layout.parent
         ROWS: gl.constexpr = q_tile.shape[0]
@@ -356,26 +405,27 @@ def _early_voted_p8(c: gl.constexpr, s, ks, qs, m, acc, l_acc, q_tile, k_tile, n
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        pre = s.to(gl.float32) * gl.expand_dims(ks, 0)
-        m_new = gl.maximum(m, gl.max(pre, 1) * qs)
+        pre, qk = _scaled_scores(s, ks, qs, KS_SOURCE)
+        m_new = gl.maximum(m, gl.max(pre, 1) * qk)
         acc, l_acc = _rescaled(acc, l_acc, gl.exp2(m - m_new))
         m = m_new
         # The P words (INT32) cross the branch, not FP8 values.
-        words, flags = _to_fp8_words(_in_wgmma_order(_p_from(pre, qs, m), p_layout))
+        words, flags = _to_fp8_words(_in_wgmma_order(_p_from(pre, qk, m), p_layout))
     return _words_to_fp8(words), m, acc, l_acc
 
 
 @gluon.jit
-def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr):
+def _online_p8(s, ks, qs, m, acc, l_acc, p_layout: gl.constexpr, KS_SOURCE: gl.constexpr):
     """One tile's P (FP8, PV operand layout) with the online max: the new running max and the
     rescaled accumulators (the Triton kernel's numerics)."""
-    p, m, alpha = _softmax_tile(s, ks, qs, m)
+    pre, qk = _scaled_scores(s, ks, qs, KS_SOURCE)
+    p, m, alpha = _softmax_scaled(pre, qk, m, 8.0)
     acc, l_acc = _rescaled(acc, l_acc, alpha)
     return _in_wgmma_order(p.to(gl.float8e4nv), p_layout), m, acc, l_acc
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
+def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_SOURCE: gl.constexpr, q_smem, k_smem, vt_smem, w_smem,
               ks_smem, q_bars, ready, empty, turn, qs_ptr, qkm_ptr, ks_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
               q_row, kv_row, bh_q, bh_kv, row0, b, h, seq_q, head_dim, n_tiles, stride_ob, stride_os, stride_oh,
               N_CONSUMERS: gl.constexpr):
@@ -419,7 +469,15 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
     if SPECULATIVE:
         _declare_vote(c, n_tiles)
 
-    if not KS_IN_RING:
+    # Where this consumer's K scales start, and how far apart two tiles' are.
+    if KS_SOURCE == KS_TILE:
+        ks_row = bh_kv * n_tiles
+        KS_STEP: gl.constexpr = 1
+        ks = gl.load(ks_ptr + ks_row)
+    else:
+        ks_row = kv_row
+        KS_STEP: gl.constexpr = BLOCK_N
+    if KS_SOURCE == KS_GLOBAL:
         ks = gl.load(ks_ptr + kv_row + cols)
     mbarrier.wait(ready.index(0), 0)
     mbarrier.wait(turn.index(c), FIRST)
@@ -430,24 +488,27 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         # program would take a correction per consumer. It starts from its own max instead, the
         # max that correction reaches. Not at head dim 64: there the same code made ptxas schedule
         # the loop slower, correction or not (NOTES v36).
-        gl.static_assert(not KS_IN_RING, "the K scales come through the ring only at head dims up to 64")
+        gl.static_assert(KS_SOURCE != KS_RING, "the K scales come through the ring only at head dims up to 64")
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        m = gl.max(s.to(gl.float32) * gl.expand_dims(ks, 0), 1) * qs  # ks: tile 0's, loaded above
+        pre, qk = _scaled_scores(s, ks, qs, KS_SOURCE)
+        m = gl.max(pre, 1) * qk  # ks: tile 0's, loaded above
         s_tok = warpgroup_mma_init(s)
     for tile in range(n_tiles - 1):
         stage = tile % STAGES
         nxt = tile + 1
-        if KS_IN_RING:  # this stage's ready wait was in the previous iteration (or before the loop)
+        if KS_SOURCE == KS_RING:  # this stage's ready wait was in the previous iteration (or before the loop)
             ks = ks_smem.index(stage).load(col_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if SPECULATIVE == VOTE_BEFORE_GEMMS:
             p8, m, acc, l_acc = _early_voted_p8(c, s, ks, qs, m, acc, l_acc, q_tile, k_smem.index(stage), n_tiles,
-                                                p_o_layout)
+                                                p_o_layout, KS_SOURCE)
         elif SPECULATIVE:
-            p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
+            p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout, KS_SOURCE)
         else:
-            p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
-        if not KS_IN_RING:
+            p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout, KS_SOURCE)
+        if KS_SOURCE == KS_TILE:
+            ks = gl.load(ks_ptr + ks_row + nxt)
+        elif KS_SOURCE == KS_GLOBAL:
             ks = gl.load(ks_ptr + kv_row + nxt * BLOCK_N + cols)
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
         mbarrier.wait(turn.index(c), (nxt & 1) ^ FIRST)
@@ -458,27 +519,27 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
             m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                              k_smem.index(stage), w_smem.index(stage),
                                                              vt_smem.index(stage), ks_smem.index(stage),
-                                                             ks_ptr + kv_row + tile * BLOCK_N, n_tiles, KS_IN_RING)
+                                                             ks_ptr + ks_row + tile * KS_STEP, n_tiles, KS_SOURCE)
         s_tok = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
         # Groups retire in order: with one left in flight, the row sum and PV are done.
         acc, l_tile = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok, l_tok))
         mbarrier.arrive(empty.index(stage), count=1)
-        l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+        l_acc = l_acc + gl.convert_layout(_row_sums(l_tile, KS_SOURCE), row_layout)
 
     last = n_tiles - 1
     stage = last % STAGES
-    if KS_IN_RING:
+    if KS_SOURCE == KS_RING:
         ks = ks_smem.index(stage).load(col_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     if SPECULATIVE == VOTE_BEFORE_GEMMS:
         p8, m, acc, l_acc = _early_voted_p8(c, s, ks, qs, m, acc, l_acc, q_tile, k_smem.index(stage), n_tiles,
-                                            p_o_layout)
+                                            p_o_layout, KS_SOURCE)
     elif SPECULATIVE:
-        p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout)
+        p8, flags = _speculative_p8(s, ks, qs, m, p_o_layout, KS_SOURCE)
     else:
-        p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout)
+        p8, m, acc, l_acc = _online_p8(s, ks, qs, m, acc, l_acc, p_o_layout, KS_SOURCE)
     mbarrier.wait(turn.index(c), ((last + 1) & 1) ^ FIRST)
     l_tok = warpgroup_mma(gl.convert_layout(p8, p_l_layout), w_smem.index(stage).permute((1, 0)), l_zero,
                           use_acc=False, is_async=True)
@@ -487,11 +548,11 @@ def _consumer(c: gl.constexpr, SPECULATIVE: gl.constexpr, KS_IN_RING: gl.constex
         m, l_acc, o_tok, l_tok = _corrected_if_saturated(c, flags, qs, m, l_acc, o_tok, l_tok, q_tile,
                                                          k_smem.index(stage), w_smem.index(stage),
                                                          vt_smem.index(stage), ks_smem.index(stage),
-                                                         ks_ptr + kv_row + last * BLOCK_N, n_tiles, KS_IN_RING)
+                                                         ks_ptr + ks_row + last * KS_STEP, n_tiles, KS_SOURCE)
     mbarrier.arrive(turn.index((c + 1) % N_CONSUMERS), count=1)
     acc, l_tile = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, l_tok))
     mbarrier.arrive(empty.index(stage), count=1)
-    l_acc = l_acc + gl.convert_layout(gl.sum(l_tile, 1), row_layout)
+    l_acc = l_acc + gl.convert_layout(_row_sums(l_tile, KS_SOURCE), row_layout)
     _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr, my_row, row0 + c * ROWS, bh_q, bh_kv,
               b, h, seq_q, head_dim, stride_ob, stride_os, stride_oh, SPEC_OFFSET if SPECULATIVE else 8.0)
 
@@ -504,7 +565,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, SPECULATIVE: gl.constexpr, N_CONSUMERS: gl.constexpr,
-    KS_IN_RING: gl.constexpr,
+    KS_SOURCE: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64 * N_CONSUMERS
     pid_m, h, b, bh_q, bh_kv, q_row, kv_row, vt_row, w_row = _program_rows(
@@ -515,7 +576,7 @@ def _fsattn_fwd_gluon_ws_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
     vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, ROWSUM_N, BLOCK_N], w_desc.layout)
-    if KS_IN_RING:
+    if KS_SOURCE == KS_RING:
         ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES, BLOCK_N], ks_desc.layout)
         ks_src = ks_desc
     else:  # ks_desc is None (warp_specialize takes no None): stand-ins that no partition touches
@@ -541,15 +602,15 @@ def _fsattn_fwd_gluon_ws_kernel(
     # The flags go into each literal tuple: inside a tuple built as a variable, warp_specialize
     # hands them to the partitions as tensors, and a branch on them would no longer be constexpr.
     if N_CONSUMERS == 3:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_consumer, (2, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_producer, (KS_IN_RING,) + producer_args)],
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_SOURCE) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_SOURCE) + consumer_args),
+                            (_consumer, (2, SPECULATIVE, KS_SOURCE) + consumer_args),
+                            (_producer, (KS_SOURCE,) + producer_args)],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_consumer, (1, SPECULATIVE, KS_IN_RING) + consumer_args),
-                            (_producer, (KS_IN_RING,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_consumer, (0, SPECULATIVE, KS_SOURCE) + consumer_args),
+                            (_consumer, (1, SPECULATIVE, KS_SOURCE) + consumer_args),
+                            (_producer, (KS_SOURCE,) + producer_args)], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def fsattn_fwd_gluon_ws(q, kv, out, lse, *, sm_scale, num_stages=GLUON_WS_STAGES, speculative=SPECULATIVE_MAX):
@@ -579,7 +640,7 @@ def prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, *, num_stages=GLUON_WS_STAGES,
         raise ValueError("the warp-specialised Gluon kernel reads V in the wgmma key order "
                          f"(quantize_kv(..., pv_key_order='wgmma')), got {kv.pv_key_order!r}")
     bsz, n_kv_heads, s_pad, d_pad = kv.k_q.shape
-    ks_in_ring = gluon_ws_ks_in_ring(d_pad)
+    ks_in_ring = gluon_ws_ks_in_ring(d_pad) and kv.k_per_token
     if ks_in_ring and (kv.k_scale.dtype != torch.float32 or tuple(kv.k_scale.shape) != (bsz, n_kv_heads, s_pad)
                        or not kv.k_scale.is_contiguous() or kv.k_scale.data_ptr() % 16):
         raise ValueError(f"the warp-specialised kernel at padded head dim {d_pad} loads the K scales by TMA: "
@@ -593,15 +654,19 @@ def prepare_fsattn_fwd_gluon_ws(q, kv, out, lse, *, num_stages=GLUON_WS_STAGES,
         max_policy = VOTE_BEFORE_GEMMS
     else:
         max_policy = VOTE_WHILE_GEMMS_RUN
+    if not kv.k_per_token and tuple(kv.k_scale.shape) != (bsz, n_kv_heads, kv.n_tiles):
+        raise ValueError(f"with one K scale per tile kv.k_scale must have shape {(bsz, n_kv_heads, kv.n_tiles)}, got "
+                         f"{tuple(kv.k_scale.shape)}")
     operands = gluon_operands(q, kv, out, lse, block_m=consumers * CONSUMER_ROWS, q_tile_rows=CONSUMER_ROWS)
-    return gluon_ws_forward(operands, kv.block_n, d_pad, num_stages, consumers, max_policy.value)
+    ks_source = (KS_RING if ks_in_ring else KS_GLOBAL) if kv.k_per_token else KS_TILE
+    return gluon_ws_forward(operands, kv.block_n, d_pad, num_stages, consumers, max_policy.value, ks_source.value)
 
 
 @functools.lru_cache(maxsize=256)
 def gluon_ws_forward(operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, consumers: int,
-                     max_policy: int) -> "GluonWSForward":
+                     max_policy: int, ks_source: int) -> "GluonWSForward":
     """The :class:`GluonWSForward` of these operands and options (cached)."""
-    return GluonWSForward(operands, block_n, d_pad, num_stages, consumers, max_policy)
+    return GluonWSForward(operands, block_n, d_pad, num_stages, consumers, max_policy, ks_source)
 
 
 class GluonWSForward:
@@ -610,15 +675,15 @@ class GluonWSForward:
     ``run(q, kv, out, lse, sm_scale, stream=None)`` launches on operands :func:`fsattn_fwd_gluon_ws` accepts."""
 
     def __init__(self, operands: GluonOperands, block_n: int, d_pad: int, num_stages: int, consumers: int,
-                 max_policy: int):
+                 max_policy: int, ks_source: int):
         self._operands = operands
         self.q_buffer_bytes = operands.q_buffer_bytes
-        self._ks_in_ring = gluon_ws_ks_in_ring(d_pad)
+        self._ks_in_ring = ks_source == KS_RING.value
         self._block_n = block_n
         self._launch = BoundLaunch(_fsattn_fwd_gluon_ws_kernel, operands.grid, BLOCK_N=block_n, D_PAD=d_pad,
                                    STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
                                    PRODUCER_REGS=PRODUCER_REGS, SPECULATIVE=max_policy, N_CONSUMERS=consumers,
-                                   KS_IN_RING=self._ks_in_ring, num_warps=4, enable_fp_fusion=FP_FUSION)
+                                   KS_SOURCE=ks_source, num_warps=4, enable_fp_fusion=FP_FUSION)
 
     @property
     def direct(self) -> bool:

@@ -30,6 +30,12 @@ replay writes the bytes an eager call writes):
 3. ``_quantize_q_kernel`` (:func:`quantize_q`): besides quantising Q, one program per (batch, KV
    head) reduces those rounding-error partials into the V mean the forward kernel adds back
    (``QuantizedKV.v_mean``). Until then ``v_mean`` holds the mean subtracted from V, uncorrected.
+
+With ``sort_keys`` (``k_granularity="sorted_block"``) a fourth launch and a sort come between 1
+and 2: ``_key_size_kernel`` writes each key's size (the largest magnitude of the key less its
+head's mean; -1 for masked keys and padding), torch's stable argsort orders each head's keys by
+it, largest first, and the packing reads every key, value and weight through that order, so that
+each tile of a per-tile K scale holds keys of nearly one size.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ from .lowp import IN_INTERPRETER, LOG2E, to_low_precision
 # e4m3fn's largest finite value.
 FP8_E4M3_MAX = 448.0
 # Width of the tile that carries each key's weight into the row-sum GEMM: the smallest N of an
-# FP8 wgmma that Triton accepts (only column 0 is non-zero).
+# FP8 wgmma that Triton accepts (only column 0 is non-zero, except in the "wgmma" order with one
+# K scale per tile, where every column is the weights; see QuantizedKV).
 ROWSUM_COLS = 16
 
 PV_KEY_ORDERS = ("natural", "wgmma")
@@ -143,7 +150,8 @@ class QuantizedKV:
     v_scale: torch.Tensor  # fp32 (B, Hkv, D_pad)
     v_mean: torch.Tensor  # fp32 (B, Hkv, D_pad): added back by the epilogue (final after quantize_q)
     # The row-sum GEMM's operand, v_t's dtype (B or 1, ROWSUM_COLS, S_pad): row 0 is each key's
-    # weight (1 attended, 0 masked or padding), the other rows zero.
+    # weight (1 attended, 0 masked or padding), the other rows zero; in the "wgmma" order with one
+    # K scale per tile every row is the weights, so that every column of the GEMM's tile is the row sum.
     rowsum_weights: torch.Tensor
     k_per_token: bool
     block_n: int
@@ -157,6 +165,9 @@ class QuantizedKV:
     # per (batch, KV head) wrote its partials.
     workspace: torch.Tensor | None = None
     n_split: int = 1
+    # int64 (B, Hkv, S_pad) with quantize_kv(sort_keys=True): position p of each head's buffers
+    # holds key key_order[p] (masked keys and padding last); None where the keys keep their order.
+    key_order: torch.Tensor | None = None
 
 
 def wgmma_key_of_column(columns: torch.Tensor) -> torch.Tensor:
@@ -475,6 +486,51 @@ def _fsattn_kv_stats_kernel(
     tl.store(mine + 4 * D_PAD, n_attended)
 
 
+@triton.jit
+def _head_k_mean(partials, bh, n_split, SPLIT_BLOCK: tl.constexpr, D_PAD: tl.constexpr):
+    """Head `bh`'s K mean over its attended keys and their count (both [D_PAD]) from the
+    statistics' partials, in a fixed order (every program of the head gets the same bits)."""
+    mine = partials + bh.to(tl.int64) * n_split * 5 * D_PAD + tl.arange(0, D_PAD)
+    n_attended = _reduce_partials(mine + 4 * D_PAD, n_split, 5 * D_PAD, _SUM, SPLIT_BLOCK)
+    count = tl.maximum(n_attended, 1.0)  # a head with every key masked: zero means
+    return tl.math.div_rn(_reduce_partials(mine, n_split, 5 * D_PAD, _SUM, SPLIT_BLOCK), count), n_attended
+
+
+@triton.jit
+def _key_size_kernel(
+    k_ptr, w_ptr, ws_ptr, size_ptr,
+    seq_len, head_dim, n_kv_heads, n_split, tiles_per_program, n_tiles, s_pad,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_wb, stride_ws,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUB_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):
+    """Each key's size, the largest magnitude of the key less its head's mean, for the order of
+    ``sort_keys``; -1 for masked keys and padding, so that they sort last (grid as the
+    statistics')."""
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // n_kv_heads).to(tl.int64)
+    h = (bh % n_kv_heads).to(tl.int64)
+    _, partials, _, _ = _workspace(ws_ptr, tl.num_programs(1), n_split, D_PAD)
+    k_mean, _ = _head_k_mean(partials, bh, n_split, SPLIT_BLOCK, D_PAD)
+    cols = tl.arange(0, D_PAD)
+    col_in = cols < head_dim
+    first = split * tiles_per_program * (BLOCK_N // SUB_N)
+    last = tl.minimum(split * tiles_per_program + tiles_per_program, n_tiles) * (BLOCK_N // SUB_N)
+    for sub in tl.range(first, last, num_stages=LOOP_STAGES):
+        rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, SUB_N)
+        in_bounds = row_in[:, None] & col_in[None, :]
+        k = tl.load(k_ptr + b * stride_kb + rows[:, None] * stride_ks + h * stride_kh + cols[None, :] * stride_kd,
+                    mask=in_bounds, other=0.0).to(tl.float32)
+        size = tl.max(tl.where(in_bounds, tl.abs(k - k_mean[None, :]), 0.0), axis=1)
+        tl.store(size_ptr + bh.to(tl.int64) * s_pad + rows, tl.where(weight != 0.0, size, -1.0))
+
+
 # seq_len is not specialised: with seq_len % 16 == 0 Triton proves `rows < seq_len` constant over
 # each thread's columns and packs one converted FP8 pair twice into a 32-bit register
 # (mov.b32 {%rs, %rs}); Triton 3.6's build of that wrote garbage into the upper half (the row-sum
@@ -482,7 +538,7 @@ def _fsattn_kv_stats_kernel(
 @triton.jit(do_not_specialize=["seq_len"])
 def _quantize_kv_kernel(
     k_ptr, v_ptr, w_ptr, ws_ptr,
-    kq_ptr, vt_ptr, rowsum_w_ptr,
+    kq_ptr, vt_ptr, rowsum_w_ptr, order_ptr,
     seq_len, head_dim, n_kv_heads, n_split, tiles_per_program, n_tiles, s_pad,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -492,6 +548,7 @@ def _quantize_kv_kernel(
     V_FP8: tl.constexpr,
     SMOOTH_V: tl.constexpr,
     WGMMA_ORDER: tl.constexpr,
+    SORTED: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUB_N: tl.constexpr,
@@ -512,9 +569,8 @@ def _quantize_kv_kernel(
 
     # The head's statistics from its partials (fp32 throughout, divisions rounded as torch's).
     mine = partials + bh.to(tl.int64) * n_split * 5 * D_PAD + cols
-    n_attended = _reduce_partials(mine + 4 * D_PAD, n_split, 5 * D_PAD, _SUM, SPLIT_BLOCK)
-    count = tl.maximum(n_attended, 1.0)  # a head with every key masked: zero means
-    k_mean = tl.math.div_rn(_reduce_partials(mine, n_split, 5 * D_PAD, _SUM, SPLIT_BLOCK), count)
+    k_mean, n_attended = _head_k_mean(partials, bh, n_split, SPLIT_BLOCK, D_PAD)
+    count = tl.maximum(n_attended, 1.0)
     v_mean = tl.zeros([D_PAD], tl.float32)
     v_scale = tl.full([D_PAD], 1.0, tl.float32)
     if V_FP8:
@@ -545,8 +601,12 @@ def _quantize_kv_kernel(
     K_STAGES: tl.constexpr = LOOP_STAGES if K_PER_TOKEN else 1
     for sub in tl.range(first * (BLOCK_N // K_ROWS), last * (BLOCK_N // K_ROWS), num_stages=K_STAGES):
         rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, K_ROWS)
+        keys = rows
+        if SORTED:  # row r of the output holds key order[r]
+            keys = tl.load(order_ptr + bh.to(tl.int64) * s_pad + rows)
+            row_in, weight = _key_weights(w_ptr, b, keys, seq_len, stride_wb, stride_ws, HAS_WEIGHT)
         in_bounds = row_in[:, None] & col_in[None, :]
-        k = tl.load(k_ptr + b * stride_kb + rows[:, None] * stride_ks + h * stride_kh + cols[None, :] * stride_kd,
+        k = tl.load(k_ptr + b * stride_kb + keys[:, None] * stride_ks + h * stride_kh + cols[None, :] * stride_kd,
                     mask=in_bounds, other=0.0).to(tl.float32)
         k = tl.where((weight[:, None] != 0.0) & in_bounds, k - k_mean[None, :], 0.0)
         out_rows = bh.to(tl.int64) * s_pad + rows
@@ -562,6 +622,8 @@ def _quantize_kv_kernel(
 
     # The row-sum weights: rows of batch b (one row block for the whole batch when unmasked),
     # written by the programs of its first head, every row of them, so that nothing is memset.
+    # Sorted keys put masked keys and padding last in every head: the weights are still the same
+    # for all heads of a batch.
     if HAS_WEIGHT:
         writes_weights = h == 0
     else:
@@ -580,6 +642,8 @@ def _quantize_kv_kernel(
             rows = _wgmma_key_of_column(columns)
         else:
             rows = columns
+        if SORTED:
+            rows = tl.load(order_ptr + bh.to(tl.int64) * s_pad + rows)
         row_in, weight = _key_weights(w_ptr, b, rows, seq_len, stride_wb, stride_ws, HAS_WEIGHT)
         in_bounds = row_in[:, None] & col_in[None, :]
         keep = (weight[:, None] != 0.0) & in_bounds
@@ -594,7 +658,11 @@ def _quantize_kv_kernel(
         v_err += tl.sum(tl.reshape(v_low.to(tl.float32) - v, [SUB_N // V_ERR_ROWS, V_ERR_ROWS, D_PAD]), 0)
         tl.store(vt_ptr + (bh.to(tl.int64) * D_PAD + cols[None, :]) * s_pad + columns[:, None], v_low)
         if writes_weights:
-            w_tile = tl.where((w_row == 0)[:, None], weight[None, :], 0.0)
+            if WGMMA_ORDER and not K_PER_TOKEN:  # every row: the warp-specialised kernel's per-tile path
+                # reads each thread's first column
+                w_tile = tl.broadcast_to(weight[None, :], [ROWSUM_COLS, SUB_N])
+            else:
+                w_tile = tl.where((w_row == 0)[:, None], weight[None, :], 0.0)
             tl.store(rowsum_w_ptr + (b * ROWSUM_COLS + w_row)[:, None] * s_pad + columns[None, :],
                      to_low_precision(w_tile, rowsum_w_ptr.dtype.element_ty, SOFT_ROUND))
     # V's rounding error over this program's keys, per channel in scaled units (quantize_q
@@ -610,12 +678,12 @@ def _sub_tile(block_n, d_pad):
 
 
 def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smooth_v=True,
-                v_dtype=torch.float8_e4m3fn, pv_key_order="natural",
+                v_dtype=torch.float8_e4m3fn, pv_key_order="natural", sort_keys=False,
                 n_programs_target=None) -> QuantizedKV:
     """Quantise K to INT8 and pack V (FP8 with per-channel scales, or 16-bit) for the forward kernel.
 
-    Two launches (statistics, then packing; module docstring); ``v_mean`` of the result is final
-    only after :func:`quantize_q` has run on it.
+    Two launches (statistics, then packing; with `sort_keys` a third and a sort between them:
+    module docstring); ``v_mean`` of the result is final only after :func:`quantize_q` has run on it.
 
     Parameters
     ----------
@@ -635,6 +703,11 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     pv_key_order : str
         The order of the keys in ``v_t`` and ``rowsum_weights`` (:class:`QuantizedKV`): ``"natural"``
         for the Triton kernel, ``"wgmma"`` for the warp-specialised Gluon kernel.
+    sort_keys : bool
+        Store each head's keys (K, V and their weights alike) ordered by size, the largest
+        magnitude of the key less the head's mean, largest first, masked keys and padding last
+        (``QuantizedKV.key_order``), so that each block of a per-block K scale holds keys of
+        nearly one size. One more launch, and a sort with torch.
     n_programs_target : int or None
         Programs per launch to aim for (:func:`kv_split`); the statistics' fp32 sums follow the
         split. Default :func:`prepass_programs_target` of `d_pad`.
@@ -647,11 +720,11 @@ def quantize_kv(k, v, key_weight=None, *, block_n, d_pad, k_per_token=True, smoo
     if d_pad < dim or d_pad & (d_pad - 1):
         raise ValueError(f"d_pad must be a power of two at least the head dim {dim}, got {d_pad}")
     return kv_prepass(k, v, key_weight, block_n=block_n, d_pad=d_pad, k_per_token=k_per_token, smooth_v=smooth_v,
-                      v_dtype=v_dtype, pv_key_order=pv_key_order,
+                      v_dtype=v_dtype, pv_key_order=pv_key_order, sort_keys=sort_keys,
                       n_programs_target=n_programs_target).run(k, v, key_weight)
 
 
-def kv_prepass(k, v, key_weight, *, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
+def kv_prepass(k, v, key_weight, *, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order, sort_keys=False,
                n_programs_target=None, split=None) -> "KVPrepass":
     """The :class:`KVPrepass` of these tensors (cached per shape, strides, alignment and device);
     arguments as :func:`quantize_kv`, which checks them. `split`: ``(n_split, tiles_per_program)``
@@ -662,33 +735,33 @@ def kv_prepass(k, v, key_weight, *, block_n, d_pad, k_per_token, smooth_v, v_dty
             n_programs_target = prepass_programs_target(d_pad)
         split = kv_split(cdiv(seq_len, block_n), bsz * heads, n_programs_target)
     return _kv_prepass(tuple(k.shape), k.stride(), v.stride(), None if key_weight is None else key_weight.stride(),
-                       *split, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order,
+                       *split, block_n, d_pad, k_per_token, smooth_v, v_dtype, pv_key_order, sort_keys,
                        launch_key(k, v, key_weight))
 
 
 def _launch_kv_prepass(k, v, key_weight, n_split, tiles_per_program, **layout) -> QuantizedKV:
-    """quantize_kv's two launches with `n_split` programs per head of `tiles_per_program` tiles
+    """quantize_kv's launches with `n_split` programs per head of `tiles_per_program` tiles
     each (`layout`: :func:`kv_prepass`'s keyword arguments)."""
     return kv_prepass(k, v, key_weight, split=(n_split, tiles_per_program), **layout).run(k, v, key_weight)
 
 
 @functools.lru_cache(maxsize=256)
 def _kv_prepass(k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_program, block_n, d_pad, k_per_token,
-                smooth_v, v_dtype, pv_key_order, _launch_key) -> "KVPrepass":
+                smooth_v, v_dtype, pv_key_order, sort_keys, _launch_key) -> "KVPrepass":
     return KVPrepass(k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_program, block_n=block_n,
                      d_pad=d_pad, k_per_token=k_per_token, smooth_v=smooth_v, v_dtype=v_dtype,
-                     pv_key_order=pv_key_order)
+                     pv_key_order=pv_key_order, sort_keys=sort_keys)
 
 
 class KVPrepass:
-    """:func:`quantize_kv`'s two launches for one shape of K/V (`w_stride`: the key weights'
+    """:func:`quantize_kv`'s launches for one shape of K/V (`w_stride`: the key weights'
     strides, None without weights), everything that depends only on shapes computed once:
     ``run(k, v, key_weight)`` allocates and launches; ``launch`` takes the buffers (tensors, or
     :class:`~.launch.Address` es of buffers laid out as :attr:`buffer_bytes` says, and
     :attr:`stat_offsets` within the workspace)."""
 
     def __init__(self, k_shape, k_stride, v_stride, w_stride, n_split, tiles_per_program, *, block_n, d_pad,
-                 k_per_token, smooth_v, v_dtype, pv_key_order):
+                 k_per_token, smooth_v, v_dtype, pv_key_order, sort_keys=False):
         bsz, seq_len, heads, dim = k_shape
         self.n_tiles = n_tiles = cdiv(seq_len, block_n)
         self.s_pad = s_pad = n_tiles * block_n
@@ -712,14 +785,21 @@ class KVPrepass:
         strides = (*k_stride, *v_stride, *(w_stride if w_stride is not None else (0, 0)))
         self._stats_args = (*shared, *strides)
         self._pack_args = (*shared, s_pad, *strides)
+        self._sort_keys = sort_keys
+        self._size_args = (*shared, s_pad, *k_stride, *(w_stride if w_stride is not None else (0, 0)))
         sub_n = _sub_tile(block_n, d_pad)
+        self._sizes = BoundLaunch(
+            _key_size_kernel, grid, HAS_WEIGHT=self._has_weight, BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad,
+            SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS,
+            maxnreg=prepass_max_registers(d_pad)) if sort_keys else None
         self._stats = BoundLaunch(
             _fsattn_kv_stats_kernel, grid, HAS_WEIGHT=self._has_weight, V_MEAN=smooth_v and v_fp8, V_RANGE=v_fp8,
             BLOCK_N=block_n, SUB_N=sub_n, D_PAD=d_pad, LOOP_STAGES=LOOP_STAGES, num_warps=PREPASS_WARPS,
             maxnreg=prepass_max_registers(d_pad))
         self._pack = BoundLaunch(
             _quantize_kv_kernel, grid, HAS_WEIGHT=self._has_weight, K_PER_TOKEN=k_per_token, V_FP8=v_fp8,
-            SMOOTH_V=smooth_v, WGMMA_ORDER=pv_key_order == "wgmma", SOFT_ROUND=IN_INTERPRETER, BLOCK_N=block_n,
+            SMOOTH_V=smooth_v, WGMMA_ORDER=pv_key_order == "wgmma", SORTED=sort_keys, SOFT_ROUND=IN_INTERPRETER,
+            BLOCK_N=block_n,
             SUB_N=sub_n, D_PAD=d_pad, ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES,
             V_ERR_ROWS=min(V_ERR_ROWS, sub_n), num_warps=PREPASS_WARPS,
             # Per-block K scales: the K loop holds a whole tile, which spills under the ceiling.
@@ -727,8 +807,9 @@ class KVPrepass:
 
     @property
     def direct(self) -> bool:
-        """Whether both launches go straight to their compiled kernels (:attr:`.launch.BoundLaunch.direct`)."""
-        return self._stats.direct and self._pack.direct
+        """Whether the launches go straight to their compiled kernels (:attr:`.launch.BoundLaunch.direct`);
+        never with ``sort_keys`` (the sort is torch's, on tensors)."""
+        return not self._sort_keys and self._stats.direct and self._pack.direct
 
     def run(self, k, v, key_weight, stream=None) -> QuantizedKV:
         bsz, heads, d_pad, s_pad, dev = self._bsz, self._heads, self._d_pad, self.s_pad, k.device
@@ -738,12 +819,22 @@ class KVPrepass:
         v_t = torch.empty(bsz, heads, d_pad, s_pad, dtype=self._v_dtype, device=dev)
         # The row-sum GEMM's B operand, stored (ROWSUM_COLS, S_pad) so that it is K-major.
         rowsum_w = torch.empty(bsz if self._has_weight else 1, ROWSUM_COLS, s_pad, dtype=self._v_dtype, device=dev)
-        self.launch(k, v, key_weight, ws, k_q, v_t, rowsum_w, stream)
+        order = self.launch(k, v, key_weight, ws, k_q, v_t, rowsum_w, stream)
         return QuantizedKV(k_q=k_q, k_scale=k_scale, k_mean=k_mean, v_t=v_t, v_scale=v_scale, v_mean=v_mean,
                            rowsum_weights=rowsum_w, n_tiles=self.n_tiles, seq_len=self._seq_len, workspace=ws,
-                           n_split=self.n_split, **self._layout)
+                           n_split=self.n_split, key_order=order, **self._layout)
 
     def launch(self, k, v, key_weight, workspace, k_q, v_t, rowsum_weights, stream=None):
+        """The launches into these buffers; returns the key order (``sort_keys``; else None),
+        which the buffers must be tensors for."""
         w = key_weight if self._has_weight else workspace  # the workspace: an unused pointer
         self._stats(k, v, w, workspace, *self._stats_args, stream=stream)
-        self._pack(k, v, w, workspace, k_q, v_t, rowsum_weights, *self._pack_args, stream=stream)
+        order = None
+        if self._sort_keys:
+            sizes = torch.empty(self._bsz * self._heads, self.s_pad, dtype=torch.float32, device=k_q.device)
+            self._sizes(k, w, workspace, sizes, *self._size_args, stream=stream)
+            # Stable, so that ties (masked keys, padding) keep their order and the result is deterministic.
+            order = torch.argsort(sizes, dim=1, descending=True, stable=True).view(self._bsz, self._heads, self.s_pad)
+        self._pack(k, v, w, workspace, k_q, v_t, rowsum_weights, workspace if order is None else order,
+                   *self._pack_args, stream=stream)
+        return order

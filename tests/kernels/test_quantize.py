@@ -13,7 +13,7 @@ from fsattn_diffusers import FSAttnConfig
 from fsattn_diffusers.kernels import quantize
 from fsattn_diffusers.kernels.fsattn_fwd import FROZEN_RESCALE, fsattn_fwd
 from fsattn_diffusers.kernels.quantize import PV_KEY_ORDERS, kv_split, quantize_kv, quantize_q, wgmma_key_of_column
-from fsattn_diffusers.reference import _pack_v, _quantize_k, emulate_fsattn, to_fp8
+from fsattn_diffusers.reference import _pack_v, _quantize_k, emulate_fsattn, key_order, to_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -109,10 +109,16 @@ def _check_prepass(k, v, weight, kv, v_shift, *, block_n, smooth_v, v_dtype):
     expected = v_shift[..., :dim].double() - err * kv.v_scale[..., :dim].double()
     torch.testing.assert_close(kv.v_mean[..., :dim].double(), expected, rtol=1e-6, atol=1e-6)
 
-    # Row-sum weights: row 0 the key weight, rows 1-15 zero; one row block unless masked.
+    # Row-sum weights: row 0 the key weight, rows 1-15 zero (in the "wgmma" order with per-tile K
+    # scales, the key weight too: the warp-specialised kernel then reads one column of the GEMM's
+    # tile); one row block unless masked.
     weights = torch.nn.functional.pad(w, (0, s_pad - seq))[: 1 if weight is None else bsz]
     assert kv.rowsum_weights.dtype == v_dtype and kv.rowsum_weights.shape == (weights.shape[0], 16, s_pad)
-    assert torch.equal(kv.rowsum_weights[:, 0].float(), weights[:, keys]) and kv.rowsum_weights[:, 1:].float().abs().max() == 0
+    assert torch.equal(kv.rowsum_weights[:, 0].float(), weights[:, keys])
+    others = weights[:, None, keys].expand(-1, 15, -1)
+    if kv.pv_key_order != "wgmma" or kv.k_per_token:
+        others = torch.zeros_like(others)
+    assert torch.equal(kv.rowsum_weights[:, 1:].float(), others)
 
 
 def _prepass(k, v, weight, q=None, **kwargs):
@@ -147,6 +153,43 @@ def test_wgmma_order_and_any_split(poisoned, masked, n_programs_target):
                            n_programs_target=n_programs_target)
     assert kv.n_split == {1: 1, 18: 3, 1000: 5}[n_programs_target]
     _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=True, v_dtype=FP8)
+
+
+@pytest.mark.parametrize("pv_key_order", PV_KEY_ORDERS)
+@pytest.mark.parametrize("k_per_token", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sorted_keys_are_the_packing_of_the_keys_in_order_of_size(poisoned, masked, k_per_token, pv_key_order):
+    # sort_keys stores each head's keys by size, largest first, masked keys and padding last: the
+    # same buffers as packing those keys in that order, and their weights are the same for every
+    # head (the first n_attended keys attended).
+    k, v, weight = _inputs(masked=masked, seed=4)
+    bsz, seq, heads, dim = k.shape
+    kv, v_shift = _prepass(k, v, weight, block_n=32, d_pad=64, k_per_token=k_per_token, pv_key_order=pv_key_order,
+                           sort_keys=True, n_programs_target=12)
+    order = kv.key_order
+    s_pad = kv.k_q.shape[2]
+    assert order.shape == (bsz, heads, s_pad) and torch.equal(order.sort(-1).values,
+                                                              torch.arange(s_pad, device=DEVICE).expand_as(order))
+    # By size in float64 (near-ties may fall either way in float32).
+    w = torch.ones(bsz, seq, device=DEVICE) if weight is None else weight
+    keep = (w != 0)[:, None, :]
+    kd = k.double().transpose(1, 2)
+    mean = (kd * keep[..., None]).sum(2, keepdim=True) / keep.sum(-1).clamp_min(1)[..., None, None]
+    size = torch.where(keep, (kd - mean).abs().amax(-1), -1.0)
+    size = torch.nn.functional.pad(size, (0, s_pad - seq), value=-1.0).gather(-1, order)
+    assert (size[..., 1:] <= size[..., :-1] + 1e-5).all()
+    n_attended = keep.sum(-1)  # (B, 1)
+    assert (size[..., : int(n_attended.min())] >= 0).all() and (size[..., int(n_attended.max()):] == -1).all()
+    assert (order[:, :, seq:] >= seq).all(), "padding stays behind the keys, masked ones too"
+    # The emulation's order (torch's float32 statistics) is the same on these inputs.
+    assert torch.equal(order[:, :, :seq].cpu(), key_order(k.float().transpose(1, 2).cpu(), w.cpu()))
+
+    # The real keys fill the first `seq` positions of every head: pack them in that order.
+    head_order = order[:, :, :seq].transpose(1, 2)  # (B, S, H)
+    k_sorted, v_sorted = (t.gather(1, head_order[..., None].expand_as(t)) for t in (k, v))
+    w_sorted = (torch.arange(seq, device=DEVICE)[None] < n_attended).float()
+    _check_prepass(k_sorted, v_sorted, w_sorted if masked else None, kv, v_shift, block_n=32, smooth_v=True,
+                   v_dtype=FP8)
 
 
 @pytest.mark.parametrize("seq", [256, 250])
@@ -289,7 +332,7 @@ def test_quantize_kv_matches_emulation(k_per_token, v_dtype, masked):
     cfg = FSAttnConfig(k_granularity="token" if k_per_token else "block",
                        pv_format="fp8_e4m3" if v_dtype == FP8 else "16bit")
     w = weight if masked else torch.ones(2, 70, device=DEVICE)
-    k8, key_scale, k_mean = _quantize_k(k.float().transpose(1, 2), w, cfg, 32)
+    k8, key_scale, k_mean = _quantize_k(k.float().transpose(1, 2), w, k_per_token, 32)
     low = to_fp8 if v_dtype == FP8 else (lambda t: t.bfloat16().float())
     v_lo, v_scale, v_mean = _pack_v(v.float().transpose(1, 2), w, cfg, low)
     assert kv.k_q.shape == (2, 3, 96, 64) and kv.v_t.shape == (2, 3, 64, 96)
@@ -361,7 +404,8 @@ def test_the_wgmma_key_order_permutes_only_v_and_the_row_sum_weights(masked):
     assert natural.pv_key_order == "natural" and wgmma.pv_key_order == "wgmma"
     keys = wgmma_key_of_column(torch.arange(natural.v_t.shape[-1], device=DEVICE))
     assert torch.equal(wgmma.v_t.view(torch.uint8), natural.v_t.view(torch.uint8)[..., keys])
-    assert torch.equal(wgmma.rowsum_weights.view(torch.uint8), natural.rowsum_weights.view(torch.uint8)[..., keys])
+    assert torch.equal(wgmma.rowsum_weights.view(torch.uint8)[:, :1],
+                       natural.rowsum_weights.view(torch.uint8)[:, :1, keys])
     assert not torch.equal(wgmma.v_t.view(torch.uint8), natural.v_t.view(torch.uint8))
     # The statistics come from the same keys in the same order: the same bits.
     for name in ("k_q", "k_scale", "k_mean", "v_scale"):

@@ -28,6 +28,7 @@ CONFIGS = {
     "default": FSAttnConfig(),
     "sampled_max": FSAttnConfig(max_policy="sampled"),
     "pv16": FSAttnConfig(pv_format="16bit"),
+    "sorted_block": FSAttnConfig(k_granularity="sorted_block"),
 }
 
 
@@ -74,11 +75,24 @@ def test_violation_strategies_agree_closely():
     assert rel_l1(a, b) > 0, "the strategies ran the same code"
 
 
-def test_block_k_scales_cost_accuracy_on_peaky_scores():
+def test_block_k_scales_cost_accuracy_on_peaky_scores_unless_the_keys_are_sorted():
     # One K scale per tile is faster (one FMA per score instead of two) but misses the op issue's
-    # cosine bound on peaky scores; that is why per-key scales are the default.
+    # cosine bound on peaky scores: a tile's largest key sets the step of all its keys. With each
+    # head's keys sorted by size first, a tile's keys are of one size and the bound holds.
     q, k, v, _ = make_family("peaky", 1, 2048, 2048, 2, 128, generator=torch.Generator().manual_seed(5))
     ref, _ = attention_reference(q, k, v)
     per_key = fsattn(q, k, v)
     per_block = fsattn(q, k, v, config=FSAttnConfig(k_granularity="block"))
+    sorted_blocks = fsattn(q, k, v, config=FSAttnConfig(k_granularity="sorted_block"))
     assert rel_l1(per_key, ref) < rel_l1(per_block, ref) < 0.05
+    assert cosine(per_block, ref) < 0.999 <= cosine(sorted_blocks, ref)
+    assert rel_l1(sorted_blocks, ref) < rel_l1(per_key, ref) + 0.001 < rel_l1(per_block, ref)
+
+
+def test_sorted_block_keeps_per_key_scales_where_a_float_mask_adds_a_bias():
+    # A bias is one per key for every head; each head's own key order would need its own bias.
+    q, k, v, _ = make_family("randn", 1, 300, 300, 2, 64, generator=torch.Generator().manual_seed(6))
+    bias = torch.linspace(-3.0, 0.0, 300)[None, None, None]
+    sorted_blocks = fsattn(q, k, v, attn_mask=bias, config=FSAttnConfig(k_granularity="sorted_block"))
+    assert torch.equal(sorted_blocks, fsattn(q, k, v, attn_mask=bias))
+    assert not torch.equal(fsattn(q, k, v, config=FSAttnConfig(k_granularity="sorted_block")), fsattn(q, k, v))

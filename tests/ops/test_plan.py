@@ -84,6 +84,19 @@ def test_what_the_gluon_kernels_do_not_implement_runs_on_the_triton_kernel(gluon
         assert _plan(config).kernel == "triton"
 
 
+def test_sorted_block_scales_run_on_the_warp_specialised_kernel_with_the_keys_sorted(gluon_importable):
+    # Its per-tile K scale path; the single-warpgroup Gluon kernel reads one scale per key.
+    for head_dim in (128, 64):
+        plan = _plan(FSAttnConfig(k_granularity="sorted_block"), head_dim=head_dim)
+        assert (plan.kernel, plan.k_per_token, plan.sort_keys) == ("gluon_ws", False, True)
+    assert _plan(FSAttnConfig(k_granularity="sorted_block", kernel="gluon")).kernel == "triton"
+    # Unsorted per-block scales stay on the Triton kernel (test above); per-key ones are not sorted.
+    assert not _plan(FSAttnConfig()).sort_keys and not _plan(FSAttnConfig(k_granularity="block")).sort_keys
+    # A float mask's bias is one per key for every head: no per-head order, a scale per key.
+    biased = _plan(FSAttnConfig(k_granularity="sorted_block"), has_bias=True)
+    assert (biased.kernel, biased.k_per_token, biased.sort_keys) == ("triton", True, False)
+
+
 def test_a_float_mask_never_reaches_a_gluon_kernel(gluon_importable):
     # They add no bias to the scores: a float mask there would be ignored, silently.
     for kernel in ("auto", "gluon_ws", "gluon"):
@@ -264,9 +277,10 @@ def ws_builds(monkeypatch):
         built.append(constexprs)
         return object()
 
-    def kv(head_dim):
+    def kv(head_dim, k_per_token=True):
         return SimpleNamespace(block_n=128, pv_key_order="wgmma", k_q=torch.empty(2, 3, 256, head_dim, dtype=torch.int8),
-                               k_scale=torch.empty(2, 3, 256))
+                               k_per_token=k_per_token, n_tiles=2,
+                               k_scale=torch.empty(2, 3, 256 if k_per_token else 2))
 
     monkeypatch.setattr(gluon_ws, "gluon_operands", lambda *args, **kwargs: operands)
     monkeypatch.setattr(gluon_ws, "BoundLaunch", record)
@@ -289,6 +303,28 @@ def test_the_warp_specialised_launcher_builds_the_max_policy_the_release_needs(m
     gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv(head_dim), None, None, speculative=speculative)
     assert built[0]["SPECULATIVE"] == getattr(gluon_ws, policy).value
     assert built[0]["N_CONSUMERS"] == (3 if head_dim == 64 else 2)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_the_warp_specialised_launcher_reads_the_k_scales_where_the_prepass_put_them(ws_builds, head_dim):
+    # Per key: from global memory at head dim 128, through the ring at 64; one per tile: a scalar.
+    gluon_ws, kv, built = ws_builds
+    gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv(head_dim), None, None)
+    gluon_ws.prepare_fsattn_fwd_gluon_ws(None, kv(head_dim, k_per_token=False), None, None)
+    per_key = gluon_ws.KS_RING if head_dim == 64 else gluon_ws.KS_GLOBAL
+    assert [b["KS_SOURCE"] for b in built] == [per_key.value, gluon_ws.KS_TILE.value]
+    wrong = kv(head_dim, k_per_token=False)
+    wrong.k_scale = torch.empty(2, 3, 256)  # one per key, but the K/V pass said one per tile
+    with pytest.raises(ValueError, match="one K scale per tile"):
+        gluon_ws.prepare_fsattn_fwd_gluon_ws(None, wrong, None, None)
+
+
+def test_the_single_warpgroup_gluon_launcher_refuses_per_tile_k_scales():
+    # It reads one scale per key: a per-tile K/V pass would be read past its scales, silently.
+    gluon = pytest.importorskip("fsattn_diffusers.kernels.fsattn_fwd_gluon", reason="no Gluon")
+    kv = SimpleNamespace(block_n=128, pv_key_order="natural", k_per_token=False)
+    with pytest.raises(ValueError, match="one K scale per key"):
+        gluon.prepare_fsattn_fwd_gluon(None, kv, None, None, num_stages=2)
 
 
 def test_the_warp_specialised_launcher_builds_once_per_consumer_count_and_max_policy(monkeypatch, ws_builds):
