@@ -170,8 +170,8 @@ def _row_sums(l_tile, KS_SOURCE: gl.constexpr):
     the weights is the key weights (:class:`QuantizedKV`), so every column of the tile is the row
     sum and each thread keeps its own first: a reduction that returns its first operand, whose
     shuffles and adds are dead code. Otherwise only column 0 is the weights and the 16 columns are
-    summed: the first-column form was bit-equal there but 12 % slower at head dim 128 (NOTES v40),
-    while with per-tile scales it was 2-4 % faster."""
+    summed: the first-column form was bit-equal there but took 13-14 % longer at head dim 128
+    (NOTES v41 (b)), while with per-tile scales on sorted keys it was 0.7-4.3 % faster."""
     if KS_SOURCE == KS_TILE:
         rows = gl.reduce(l_tile, 1, _first)
     else:
