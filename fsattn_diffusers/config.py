@@ -48,9 +48,9 @@ class FSAttnConfig:
         the mean-removed key), largest first, masked keys last; attention does not depend on the
         keys' order, and each block then holds keys of nearly one size, so it stays about as
         accurate as ``"token"`` on random and peaky scores (keys whose size grows along the
-        sequence lose more: 4.3 % relative L1 against 3.8 %; docs/design.md §2.2). Calls with a float mask keep one scale per
-        key under ``"sorted_block"`` (a float mask is read as a bias per key, which would have to
-        follow each head's order).
+        sequence lose more: 4.3 % relative L1 against 3.8 %; docs/design.md §2.2). Calls with a
+        float mask keep one scale per key under ``"sorted_block"`` (a float mask is read as a bias
+        per key, which would have to follow each head's order).
     pv_format : {"fp8_e4m3", "16bit"}
         Format of P and V in the PV GEMM. ``"fp8_e4m3"``: FP8 with one scale per V channel, the
         fast path. ``"16bit"``: P and V in bf16 (fp16 for fp16 inputs), twice the PV GEMM's
