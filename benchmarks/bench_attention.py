@@ -40,6 +40,7 @@ VARIANTS = {
     "fp8": {"pv_format": "fp8_e4m3"},
     "exp_half": {"exp_offload": 0.5},
     "exp_bits": {"exp_offload": 1.0},
+    "k_token": {"k_granularity": "token"},
     "k_block": {"k_granularity": "block"},
     "k_sorted": {"k_granularity": "sorted_block"},
     "rowsum_fma": {"rowsum": "fma"},

@@ -34,6 +34,8 @@ from fsattn_diffusers import FSAttnConfig, fsattn
 CASES = {
     "d128": ((1, 256, 2, 128), None, {}),
     "d128_gluon_ws": ((1, 256, 2, 128), None, {"kernel": "gluon_ws"}),
+    # "auto" sorts only calls of more than 1,024 keys; asked for, the sort runs at 256.
+    "d128_gluon_ws_sorted": ((1, 256, 2, 128), None, {"kernel": "gluon_ws", "k_granularity": "sorted_block"}),
     "d128_bool_mask": ((1, 256, 2, 128), "bool", {}),
     "d128_float_mask": ((1, 256, 2, 128), "float", {}),
     "d64": ((1, 256, 2, 64), None, {}),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .kernels.configs import P_LOG2_CEILING
 
 _CHOICES = {
-    "k_granularity": ("block", "sorted_block", "token"),
+    "k_granularity": ("auto", "block", "sorted_block", "token"),
     "pv_format": ("fp8_e4m3", "16bit"),
     "max_policy": ("sampled", "online"),
     "on_violation": ("rescale", "recompute"),
@@ -39,11 +39,14 @@ class FSAttnConfig:
 
     Attributes
     ----------
-    k_granularity : {"token", "block", "sorted_block"}
-        ``"token"`` (default): one K scale per key (a multiply per score before the dequantising
-        FMA). ``"block"``: one per block of ``block_n`` keys (a per-tile scalar in the kernel:
-        the dequantisation is one FMA per score), but a block's largest key sets the step of all
-        its keys, which costs accuracy on peaky scores. ``"sorted_block"``: one per block after
+    k_granularity : {"auto", "token", "block", "sorted_block"}
+        ``"auto"`` (default): ``"sorted_block"`` where the warp-specialised Hopper kernel runs a
+        call with more than 1,024 keys (the faster path, measured as close to exact attention
+        and to SDPA's video as per-key scales), ``"token"`` on every other call
+        (fsattn_diffusers/plan.py decides). ``"token"``: one K scale per key (a multiply per
+        score before the dequantising FMA). ``"block"``: one per block of ``block_n`` keys (a
+        per-tile scalar in the kernel: the dequantisation is one FMA per score), but a block's
+        largest key sets the step of all its keys, which costs accuracy on peaky scores. ``"sorted_block"``: one per block after
         the K/V pre-pass has ordered each head's keys by their size (the largest absolute value of
         the mean-removed key), largest first, masked keys last; attention does not depend on the
         keys' order, and each block then holds keys of nearly one size, so it stays about as
@@ -126,13 +129,13 @@ class FSAttnConfig:
         kept as the simplest Gluon schedule, slower than the Triton kernel). Both Gluon kernels
         cover the default numerics only (online max policy, per-key K scales, FP8 PV with the
         hardware accumulator, tensor-core row sum, no float mask), the warp-specialised one also
-        ``k_granularity="sorted_block"``; other calls and other GPUs run the Triton kernel
+        per-tile K scales over sorted keys; other calls and other GPUs run the Triton kernel
         (fsattn_diffusers/plan.py decides).
     check_finite : bool
         Check the inputs for NaN and Inf and raise (costs a pass over the inputs and a sync).
     """
 
-    k_granularity: str = "token"
+    k_granularity: str = "auto"
     pv_format: str = "fp8_e4m3"
     smooth_v: bool | None = None
     max_policy: str = "online"

@@ -46,12 +46,12 @@ class LaunchPlan:
 
     kernel: str
     block_m: int  # query rows per program
-    block_n: int  # keys per tile, also the K-scale granularity of k_granularity "block" and "sorted_block"
+    block_n: int  # keys per tile, also the K-scale granularity when k_per_token is False
     num_warps: int
     num_stages: int
     d_pad: int  # head dim padded for the INT8 GEMM
     k_per_token: bool
-    sort_keys: bool  # the K/V pre-pass orders each head's keys by size (k_granularity="sorted_block")
+    sort_keys: bool  # the K/V pre-pass orders each head's keys by size (k_granularity "sorted_block", "auto")
     v_dtype: torch.dtype
     smooth_v: bool
     pv_key_order: str  # "natural", or "wgmma" for the warp-specialised kernel
@@ -104,13 +104,14 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
     else:
         frozen = FROZEN_RESCALE if config.on_violation == "rescale" else FROZEN_RECOMPUTE
     # Sorted keys need a key order per head; a bias is one per key for every head, so with one the
-    # keys stay in order and keep a scale each.
-    sort_keys = config.k_granularity == "sorted_block" and not has_bias
+    # keys stay in order and keep a scale each. "auto" is per key here; the warp-specialised
+    # kernel's branch below sorts where it measured faster.
+    granularity = config.k_granularity
+    sort_keys = granularity == "sorted_block" and not has_bias
     plan = LaunchPlan(
         kernel="triton", block_m=config.block_m or base.block_m, block_n=config.block_n or base.block_n,
         num_warps=config.num_warps or base.num_warps, num_stages=config.num_stages or base.num_stages,
-        d_pad=d_pad, k_per_token=config.k_granularity == "token" or (config.k_granularity == "sorted_block"
-                                                                     and has_bias),
+        d_pad=d_pad, k_per_token=granularity in ("token", "auto") or (granularity == "sorted_block" and has_bias),
         sort_keys=sort_keys, v_dtype=pv_dtype(config, dtype),
         smooth_v=config.smooths_v, pv_key_order="natural", sampled_max_mode=frozen,
         exp_mode=_EXP_MODES[float(config.exp_offload)], pv_fp32=config.pv_accum == "fp32",
@@ -130,7 +131,15 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
         if _gluon_ws_covers(ws, has_bias, config) and gluon_available("fsattn_fwd_gluon_ws"):
             from .kernels.configs import GLUON_WS_ROWS, gluon_ws_consumers
 
-            return _dataclass_replace(ws, block_m=GLUON_WS_ROWS * gluon_ws_consumers(ws.block_n, d_pad))
+            ws = _dataclass_replace(ws, block_m=GLUON_WS_ROWS * gluon_ws_consumers(ws.block_n, d_pad))
+            if granularity == "auto" and not few_keys:
+                # Keys sorted by size, one K scale per tile: through fsattn() 903 -> 989 TFLOP/s at
+                # Wan2.1-14B 720p, 906 -> 959 at 1.3B 480p, 601 -> 623 at head dim 64; whole steps
+                # 4.5 % (14B) and 2.9 % (1.3B) shorter, the latents as close to SDPA's as per key
+                # (benchmarks/NOTES.md v42). With a few key tiles the sort and its launch weigh more
+                # and a tile's scale is shared by keys of more sizes: those calls keep a scale per key.
+                ws = _dataclass_replace(ws, k_per_token=False, sort_keys=True)
+            return ws
     if wanted == "gluon" and _gluon_covers(plan, has_bias) and gluon_available("fsattn_fwd_gluon"):
         return _dataclass_replace(plan, kernel="gluon")
     return plan

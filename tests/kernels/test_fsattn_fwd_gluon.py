@@ -247,14 +247,17 @@ def test_two_and_three_consumers_agree_bit_for_bit(monkeypatch, head_dim, block_
     assert torch.equal(out3, out2) and torch.equal(lse3, lse2)
 
 
-def test_gluon_boolean_key_mask_per_batch(kernel, gluon_calls):
+# 900 keys keep a K scale per key; from 1,025 on, "auto" sorts the keys on the warp-specialised kernel.
+@pytest.mark.parametrize("seq_k", [900, 1500])
+def test_gluon_boolean_key_mask_per_batch(kernel, gluon_calls, seq_k):
     gluon_cfg = FSAttnConfig(kernel=kernel)
     gen = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(2, 700, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(2, 900, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(2, 900, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    mask = torch.ones(2, 900, dtype=torch.bool, device="cuda")
-    mask[0, 650:] = False  # batch 0: padded text, as HunyuanVideo passes it
+    k = torch.randn(2, seq_k, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(2, seq_k, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    padded = seq_k - 250
+    mask = torch.ones(2, seq_k, dtype=torch.bool, device="cuda")
+    mask[0, padded:] = False  # batch 0: padded text, as HunyuanVideo passes it
     mask[1, ::3] = False
     attn_mask = mask[:, None, None, :]
     out = fsattn(q, k, v, attn_mask=attn_mask, config=gluon_cfg)
@@ -264,7 +267,7 @@ def test_gluon_boolean_key_mask_per_batch(kernel, gluon_calls):
     # Masked keys carry no weight: changing their values changes nothing (up to the order of the
     # atomic adds of V's rounding-bias correction, which may flip a last bf16 bit).
     v2 = v.clone()
-    v2[0, 650:] += 100.0
+    v2[0, padded:] += 100.0
     assert rel_l1(fsattn(q, k, v2, attn_mask=attn_mask, config=gluon_cfg)[0], out[0]) < 1e-3
 
 

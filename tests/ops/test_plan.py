@@ -91,10 +91,32 @@ def test_sorted_block_scales_run_on_the_warp_specialised_kernel_with_the_keys_so
         assert (plan.kernel, plan.k_per_token, plan.sort_keys) == ("gluon_ws", False, True)
     assert _plan(FSAttnConfig(k_granularity="sorted_block", kernel="gluon")).kernel == "triton"
     # Unsorted per-block scales stay on the Triton kernel (test above); per-key ones are not sorted.
-    assert not _plan(FSAttnConfig()).sort_keys and not _plan(FSAttnConfig(k_granularity="block")).sort_keys
+    for granularity in ("token", "block"):
+        assert not _plan(FSAttnConfig(k_granularity=granularity)).sort_keys
     # A float mask's bias is one per key for every head: no per-head order, a scale per key.
     biased = _plan(FSAttnConfig(k_granularity="sorted_block"), has_bias=True)
     assert (biased.kernel, biased.k_per_token, biased.sort_keys) == ("triton", True, False)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_auto_granularity_sorts_the_keys_of_long_calls_on_the_warp_specialised_kernel_only(gluon_importable,
+                                                                                          head_dim):
+    def plan(seq_k, **fields):
+        return planning.plan_for(FSAttnConfig(**fields), HOPPER, head_dim, False, torch.bfloat16, seq_k)
+
+    for seq_k in (None, planning.TRITON_MAX_KEYS + 1, 75600):
+        assert (plan(seq_k).kernel, plan(seq_k).k_per_token, plan(seq_k).sort_keys) == ("gluon_ws", False, True)
+    # Few keys: a scale per key, on whichever kernel runs them (at head dim 64 the warp-specialised
+    # one, asked for by name at 128).
+    for few in (plan(planning.TRITON_MAX_KEYS), plan(planning.TRITON_MAX_KEYS, kernel="gluon_ws")):
+        assert (few.k_per_token, few.sort_keys) == (True, False)
+    # Other kernels, other targets, a float mask: a scale per key, keys in order.
+    others = [plan(None, kernel="triton"), plan(None, kernel="gluon"), plan(None, pv_format="16bit"),
+              planning.plan_for(FSAttnConfig(), (8, 9), head_dim, False, torch.bfloat16, None),
+              planning.plan_for(FSAttnConfig(), planning.EMULATION, head_dim, False, torch.bfloat16, None),
+              planning.plan_for(FSAttnConfig(), HOPPER, head_dim, True, torch.bfloat16, None)]
+    for other in others:
+        assert other.k_per_token and not other.sort_keys
 
 
 def test_a_float_mask_never_reaches_a_gluon_kernel(gluon_importable):
