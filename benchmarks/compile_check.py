@@ -229,7 +229,7 @@ def build_gluon_ws(stages=GLUON_WS_STAGES, head_dim=128, block_n=GLUON_WS_BLOCK_
     """The builds of one warp-specialised Gluon-kernel call
     (``fsattn_diffusers.kernels.fsattn_fwd_gluon_ws``); the defaults are the op's. `bool_mask`:
     with a boolean key-padding mask (HunyuanVideo's calls); `sorted_keys`: keys sorted by size,
-    one K scale per tile (``k_granularity="sorted_block"``)."""
+    one K scale per tile (``k_granularity="sorted_block"``, and "auto" on long calls)."""
     from fsattn_diffusers.kernels import fsattn_fwd_gluon_ws as wk
 
     q, k, v, out, lse = _attention_inputs(head_dim)

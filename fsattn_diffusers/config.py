@@ -41,19 +41,19 @@ class FSAttnConfig:
     ----------
     k_granularity : {"auto", "token", "block", "sorted_block"}
         ``"auto"`` (default): ``"sorted_block"`` where the warp-specialised Hopper kernel runs a
-        call with more than 1,024 keys (the faster path, measured as close to exact attention
-        and to SDPA's video as per-key scales), ``"token"`` on every other call
-        (fsattn_diffusers/plan.py decides). ``"token"``: one K scale per key (a multiply per
-        score before the dequantising FMA). ``"block"``: one per block of ``block_n`` keys (a
-        per-tile scalar in the kernel: the dequantisation is one FMA per score), but a block's
-        largest key sets the step of all its keys, which costs accuracy on peaky scores. ``"sorted_block"``: one per block after
-        the K/V pre-pass has ordered each head's keys by their size (the largest absolute value of
-        the mean-removed key), largest first, masked keys last; attention does not depend on the
-        keys' order, and each block then holds keys of nearly one size, so it stays about as
-        accurate as ``"token"`` on random and peaky scores (keys whose size grows along the
-        sequence lose more: 4.3 % relative L1 against 3.8 %; docs/design.md §2.2). Calls with a
-        float mask keep one scale per key under ``"sorted_block"`` (a float mask is read as a bias
-        per key, which would have to follow each head's order).
+        call with more than 1,024 keys (the faster path, measured as close to exact attention and to
+        SDPA's video as per-key scales), ``"token"`` on every other call (fsattn_diffusers/plan.py
+        decides). ``"token"``: one K scale per key (a multiply per score before the dequantising
+        FMA). ``"block"``: one per block of ``block_n`` keys (a per-tile scalar in the kernel: the
+        dequantisation is one FMA per score), but a block's largest key sets the step of all its
+        keys, which costs accuracy on peaky scores. ``"sorted_block"``: one per block after the K/V
+        pre-pass has ordered each head's keys by their size (the largest absolute value of the
+        mean-removed key), largest first, masked keys last; attention does not depend on the keys'
+        order, and each block then holds keys of nearly one size, so it stays about as accurate as
+        ``"token"`` on random and peaky scores (keys whose size grows along the sequence lose more:
+        4.3 % relative L1 against 3.8 %; docs/design.md §2.2). Calls with a float mask keep one
+        scale per key under ``"sorted_block"`` (a float mask is read as a bias per key, which would
+        have to follow each head's order).
     pv_format : {"fp8_e4m3", "16bit"}
         Format of P and V in the PV GEMM. ``"fp8_e4m3"``: FP8 with one scale per V channel, the
         fast path. ``"16bit"``: P and V in bf16 (fp16 for fp16 inputs), twice the PV GEMM's

@@ -135,7 +135,7 @@ def _plan(config_json: str, target, d_pad: int, has_bias: bool, dtype: torch.dty
             if granularity == "auto" and not few_keys:
                 # Keys sorted by size, one K scale per tile: through fsattn() 903 -> 989 TFLOP/s at
                 # Wan2.1-14B 720p, 906 -> 959 at 1.3B 480p, 601 -> 623 at head dim 64; whole steps
-                # 4.5 % (14B) and 2.9 % (1.3B) shorter, the latents as close to SDPA's as per key
+                # 4.3-4.5 % (14B) and 2.9-3.0 % (1.3B) shorter, the latents as close to SDPA's as per key
                 # (benchmarks/NOTES.md v42). With a few key tiles the sort and its launch weigh more
                 # and a tile's scale is shared by keys of more sizes: those calls keep a scale per key.
                 ws = _dataclass_replace(ws, k_per_token=False, sort_keys=True)

@@ -49,8 +49,9 @@ runs beside them (NOTES v30 (f), v34); voting before a tile's GEMMs are issued
 (:func:`_early_voted_p8`) they build cleanly, so from 3.8 on three consumers vote early at head dim
 64: 590 TFLOP/s under 3.9.0 against 543 for two voting late (NOTES v35;
 :func:`.configs.gluon_ws_votes_early`, which also says why the early vote is not taken elsewhere).
-With ``quantize_kv(k_per_token=False)`` (``k_granularity="sorted_block"``: the keys sorted by size
-first) each tile's one K scale is folded into Q's row factor (``KS_TILE``).
+With ``quantize_kv(k_per_token=False)`` (``k_granularity="sorted_block"``, or ``"auto"`` on long
+calls: the keys sorted by size first) each tile's one K scale is folded into Q's row factor
+(``KS_TILE``).
 fsattn_diffusers/plan.py sends it padded head dims 64 and 128.
 Gluon does not run in Triton's interpreter: the GPU tests exercise it.
 """

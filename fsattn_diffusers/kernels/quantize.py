@@ -31,8 +31,9 @@ replay writes the bytes an eager call writes):
    head) reduces those rounding-error partials into the V mean the forward kernel adds back
    (``QuantizedKV.v_mean``). Until then ``v_mean`` holds the mean subtracted from V, uncorrected.
 
-With ``sort_keys`` (``k_granularity="sorted_block"``) a fourth launch and a sort come between 1
-and 2: ``_key_size_kernel`` writes each key's size (the largest magnitude of the key less its
+With ``sort_keys`` (``k_granularity="sorted_block"``, or ``"auto"`` on long calls) a fourth launch
+and a sort come between 1 and 2: ``_key_size_kernel`` writes each key's size (the largest magnitude
+of the key less its
 head's mean; -1 for masked keys and padding), torch's stable argsort orders each head's keys by
 it, largest first, and the packing reads every key, value and weight through that order, so that
 each tile of a per-tile K scale holds keys of nearly one size.

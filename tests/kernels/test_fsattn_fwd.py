@@ -34,12 +34,14 @@ def _emulate(q, k, v, mask, cfg, layout="NHD", scale=None):
 
     qb, kb, vb = (t if layout == "NHD" else t.transpose(1, 2) for t in (q, k, v))
     weight, bias = key_mask(mask, qb, kb)
-    # The Triton kernel's tiles on this device (the emulation models that kernel).
+    # The Triton kernel's tiles on this device (the emulation models that kernel), with the K scales
+    # of the plan the call itself runs (k_granularity "auto" sorts long calls on Hopper's
+    # warp-specialised kernel and nowhere else).
     launch = fsattn_ops.call_plan(cfg.replace(kernel="triton"), q.device, qb.shape[-1], bias is not None, q.dtype)
+    own = fsattn_ops.call_plan(cfg, q.device, qb.shape[-1], bias is not None, q.dtype, kb.shape[1])
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
     return emulate_fsattn(qb, kb, vb, scale=scale, config=cfg, block_m=launch.block_m, block_n=launch.block_n,
-                          key_weight=weight, key_bias=bias, k_per_token=launch.k_per_token,
-                          sort_keys=launch.sort_keys)
+                          key_weight=weight, key_bias=bias, k_per_token=own.k_per_token, sort_keys=own.sort_keys)
 
 
 # --- CPU: the interpreter at tiny shapes ---------------------------------------------------------
@@ -244,15 +246,22 @@ def test_gpu_families_against_float64_and_emulation(family, head_dim):
     min_cos, max_l1 = GPU_BOUNDS[family]
     assert torch.isfinite(out).all()
     assert cosine(out, ref) >= min_cos and rel_l1(out, ref) <= max_l1
-    # The emulation models the Triton kernel, except that it sums PV in FP32 where the default
-    # (pv_accum="hw") chains the sums through Hopper's FP8 accumulator (~14 bits): 1e-2 of slack.
-    out_t = fsattn(q, k, v, attn_mask=mask, config=FSAttnConfig(kernel="triton"))
-    emu, emu_lse, emu_fallbacks = _emulate(q, k, v, mask, FSAttnConfig())
+    # The Triton kernel with the default's K scales (here one per tile of sorted keys, but with a
+    # float mask: plan.py). The emulation models it, except that it sums PV in FP32 where the
+    # default (pv_accum="hw") chains the sums through Hopper's FP8 accumulator (~14 bits): 1e-2 of
+    # slack.
+    from fsattn_diffusers.attention import key_mask
+
+    has_bias = key_mask(mask, q, k)[1] is not None
+    default_plan = fsattn_ops.call_plan(FSAttnConfig(), q.device, head_dim, has_bias, q.dtype, k.shape[1])
+    assert default_plan.sort_keys == (default_plan.kernel == "gluon_ws")
+    triton = FSAttnConfig(kernel="triton", k_granularity="sorted_block" if default_plan.sort_keys else "token")
+    out_t = fsattn(q, k, v, attn_mask=mask, config=triton)
+    emu, emu_lse, emu_fallbacks = _emulate(q, k, v, mask, triton)
     assert rel_l1(out_t, emu) < 1e-2, "the GPU kernel and its emulation disagree"
-    if family != "huge_magnitude" and head_dim == 128:
-        # At head dim 128 the default is the warp-specialised kernel (64 runs the Triton kernel),
-        # whose speculative max rounds P from another max: not bit-close to the Triton kernel, but
-        # as close to float64.
+    if family != "huge_magnitude":
+        # Where the default is the warp-specialised kernel, its speculative max rounds P from
+        # another max: not bit-close to the Triton kernel, but as close to float64.
         assert rel_l1(out, ref) <= 1.1 * rel_l1(out_t, ref) + 1e-3
     attended = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), attended)

@@ -247,7 +247,7 @@ def test_two_and_three_consumers_agree_bit_for_bit(monkeypatch, head_dim, block_
     assert torch.equal(out3, out2) and torch.equal(lse3, lse2)
 
 
-# 900 keys keep a K scale per key; from 1,025 on, "auto" sorts the keys on the warp-specialised kernel.
+# 900 keys keep a K scale per key; from 1,025 on, "auto" sorts them on the warp-specialised kernel.
 @pytest.mark.parametrize("seq_k", [900, 1500])
 def test_gluon_boolean_key_mask_per_batch(kernel, gluon_calls, seq_k):
     gluon_cfg = FSAttnConfig(kernel=kernel)
@@ -262,6 +262,8 @@ def test_gluon_boolean_key_mask_per_batch(kernel, gluon_calls, seq_k):
     attn_mask = mask[:, None, None, :]
     out = fsattn(q, k, v, attn_mask=attn_mask, config=gluon_cfg)
     assert len(gluon_calls) == 1
+    sorted_keys = ops.call_plan(gluon_cfg, q.device, 128, seq_k=seq_k).sort_keys
+    assert sorted_keys == (kernel == "gluon_ws" and seq_k > planning.TRITON_MAX_KEYS)
     ref, _ = attention_reference(q, k, v, attn_mask)
     assert cosine(out, ref) >= 0.999 and rel_l1(out, ref) <= 0.04
     # Masked keys carry no weight: changing their values changes nothing (up to the order of the
