@@ -33,10 +33,9 @@ replay writes the bytes an eager call writes):
 
 With ``sort_keys`` (``k_granularity="sorted_block"``, or ``"auto"`` on long calls) a fourth launch
 and a sort come between 1 and 2: ``_key_size_kernel`` writes each key's size (the largest magnitude
-of the key less its
-head's mean; -1 for masked keys and padding), torch's stable argsort orders each head's keys by
-it, largest first, and the packing reads every key, value and weight through that order, so that
-each tile of a per-tile K scale holds keys of nearly one size.
+of the key less its head's mean; -1 for masked keys and padding), torch's stable argsort orders each
+head's keys by it, largest first, and the packing reads every key, value and weight through that
+order, so that each tile of a per-tile K scale holds keys of nearly one size.
 """
 
 from __future__ import annotations

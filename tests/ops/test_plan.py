@@ -104,8 +104,8 @@ def test_auto_granularity_sorts_the_keys_of_long_calls_on_the_warp_specialised_k
     def plan(seq_k, **fields):
         return planning.plan_for(FSAttnConfig(**fields), HOPPER, head_dim, False, torch.bfloat16, seq_k)
 
-    for seq_k in (None, planning.TRITON_MAX_KEYS + 1, 75600):
-        assert (plan(seq_k).kernel, plan(seq_k).k_per_token, plan(seq_k).sort_keys) == ("gluon_ws", False, True)
+    for long in (plan(None), plan(planning.TRITON_MAX_KEYS + 1), plan(75600)):
+        assert (long.kernel, long.k_per_token, long.sort_keys) == ("gluon_ws", False, True)
     # Few keys: a scale per key, on whichever kernel runs them (at head dim 64 the warp-specialised
     # one, asked for by name at 128).
     for few in (plan(planning.TRITON_MAX_KEYS), plan(planning.TRITON_MAX_KEYS, kernel="gluon_ws")):
