@@ -4,6 +4,7 @@
     python benchmarks/compile_check.py --tiles 128,64,4,3     # BLOCK_M,BLOCK_N,num_warps,num_stages
     python benchmarks/compile_check.py --gluon                # the Gluon kernel (--tiles and --head-dim as above)
     python benchmarks/compile_check.py --gluon-ws --tiles 4,128,64   # warp-specialised: stages,D_PAD[,BLOCK_N]
+    python benchmarks/compile_check.py --gluon-ws --sorted-keys --sass  # its long-call build, consumer loops
     python benchmarks/compile_check.py --matrix [--json]      # every kernel the op launches, at the configs it runs
 
 Every kernel is compiled through its own launcher (fsattn_diffusers/kernels/*.py), called with CPU
@@ -353,9 +354,14 @@ def main():
     parser.add_argument("--dump", default=None, help="folder to write each build's PTX into")
     parser.add_argument("--sass", action="store_true",
                         help="with --gluon-ws: each consumer loop's instruction counts (benchmarks/sass_loop.py)")
+    parser.add_argument("--sorted-keys", action="store_true",
+                        help="with --gluon-ws: the build for keys sorted by size, one K scale per tile (what "
+                             "k_granularity=\"auto\" runs on long calls); default: a K scale per key")
     args = parser.parse_args()
     if args.sass and not args.gluon_ws:
         parser.error("--sass reads the warp-specialised kernel's consumer loops: use it with --gluon-ws")
+    if args.sorted_keys and not args.gluon_ws:
+        parser.error("--sorted-keys picks a build of the warp-specialised kernel: use it with --gluon-ws")
     if args.matrix:
         if not args.json:
             print(f"Triton {triton.__version__}, sm_90a")
@@ -372,11 +378,13 @@ def main():
         for spec in args.tiles or [f"{GLUON_WS_STAGES},128"]:
             stages, d_pad, *block_n = (int(x) for x in spec.split(","))
             block_n = block_n[0] if block_n else GLUON_WS_BLOCK_N
-            b = _main_build(build_gluon_ws(stages, d_pad, block_n), "_fsattn_fwd_gluon_ws_kernel")
-            print(f"stages {stages} d_pad {d_pad:3d} block_n {block_n} gluon_ws {_report(b)} "
+            b = _main_build(build_gluon_ws(stages, d_pad, block_n, sorted_keys=args.sorted_keys),
+                            "_fsattn_fwd_gluon_ws_kernel")
+            k_scales = "per tile" if args.sorted_keys else "per key"
+            print(f"stages {stages} d_pad {d_pad:3d} block_n {block_n} K scales {k_scales} gluon_ws {_report(b)} "
                   + _counts(b.ptx, [("wgmma", "wgmma.mma_async"), ("setmaxnreg", "setmaxnreg"),
                                     ("bar.sync", "bar.sync")]), flush=True)
-            _dump(args.dump, f"gluon_ws_{stages}_{d_pad}_{block_n}", b.ptx)
+            _dump(args.dump, f"gluon_ws_{stages}_{d_pad}_{block_n}" + ("_sorted" if args.sorted_keys else ""), b.ptx)
             if args.sass:
                 from sass_loop import describe
 

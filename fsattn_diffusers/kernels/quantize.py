@@ -600,11 +600,11 @@ def _quantize_kv_kernel(
     # A whole tile per step for block scales: one in flight (two spilled).
     K_STAGES: tl.constexpr = LOOP_STAGES if K_PER_TOKEN else 1
     for sub in tl.range(first * (BLOCK_N // K_ROWS), last * (BLOCK_N // K_ROWS), num_stages=K_STAGES):
-        rows, row_in, weight = _key_tile(w_ptr, b, sub, seq_len, stride_wb, stride_ws, HAS_WEIGHT, K_ROWS)
+        rows = tl.arange(0, K_ROWS).to(tl.int64) + sub * K_ROWS
         keys = rows
         if SORTED:  # row r of the output holds key order[r]
             keys = tl.load(order_ptr + bh.to(tl.int64) * s_pad + rows)
-            row_in, weight = _key_weights(w_ptr, b, keys, seq_len, stride_wb, stride_ws, HAS_WEIGHT)
+        row_in, weight = _key_weights(w_ptr, b, keys, seq_len, stride_wb, stride_ws, HAS_WEIGHT)
         in_bounds = row_in[:, None] & col_in[None, :]
         k = tl.load(k_ptr + b * stride_kb + keys[:, None] * stride_ks + h * stride_kh + cols[None, :] * stride_kd,
                     mask=in_bounds, other=0.0).to(tl.float32)

@@ -166,7 +166,9 @@ def test_other_gpus_and_the_cpu_paths_run_the_triton_kernel(gluon_importable):
 
 def test_a_triton_without_the_gluon_api_runs_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(planning, "gluon_module", lambda name: None)
-    assert _plan().kernel == "triton"
+    # The Triton kernel reads one K scale per key: "auto" keeps the keys in order there.
+    for plan in (_plan(), _plan(head_dim=64)):
+        assert (plan.kernel, plan.k_per_token, plan.sort_keys) == ("triton", True, False)
 
 
 def test_plans_are_cached_per_config_head_dim_mask_and_dtype(gluon_importable):
@@ -187,7 +189,7 @@ def test_a_gluon_kernel_that_fails_to_compile_is_dropped_from_every_plan(gluon_i
     with caplog.at_level("WARNING", logger="fsattn_diffusers"):
         planning.disable_gluon("fsattn_fwd_gluon_ws", CompilationError(None, None, "no such builtin"))
     assert "does not compile" in caplog.text
-    assert _plan().kernel == "triton"
+    assert (_plan().kernel, _plan().k_per_token, _plan().sort_keys) == ("triton", True, False)
     assert _plan(FSAttnConfig(kernel="gluon")).kernel == "gluon"  # the other kernel is unaffected
 
 
@@ -382,6 +384,26 @@ def test_a_gluon_compile_failure_costs_speed_not_the_call(monkeypatch, failure):
     _run(FSAttnConfig(kernel="gluon_ws"))
     assert gluon_orders == ["wgmma"] and [kv.pv_key_order for kv in triton_calls] == ["natural"]
     assert planning._DISABLED_GLUON == {"fsattn_fwd_gluon_ws"}
+
+
+def test_a_long_call_whose_gluon_kernel_fails_to_compile_is_redone_with_a_scale_per_key(monkeypatch):
+    # Under "auto" the warp-specialised kernel takes long calls with sorted keys and a K scale per
+    # tile; the Triton kernel that redoes the call reads one per key, in the keys' own order.
+    from triton.compiler.errors import CompilationError
+
+    gluon_kvs = []
+
+    def broken(q, kv, *args, **kwargs):
+        gluon_kvs.append(kv)
+        raise CompilationError(None, None, "no such builtin")
+
+    triton_calls = _pretend_hopper(monkeypatch, _gluon_ws(broken))
+    _run(FSAttnConfig(), seq=planning.TRITON_MAX_KEYS + 76)
+    [sorted_kv], [per_key_kv] = gluon_kvs, triton_calls
+    assert (sorted_kv.k_per_token, sorted_kv.key_order is None) == (False, False)
+    assert sorted_kv.k_scale.shape[-1] == sorted_kv.n_tiles
+    assert (per_key_kv.k_per_token, per_key_kv.key_order, per_key_kv.pv_key_order) == (True, None, "natural")
+    assert per_key_kv.k_scale.shape[-1] >= planning.TRITON_MAX_KEYS + 76
 
 
 def test_other_errors_in_a_gluon_kernel_are_raised(monkeypatch):
