@@ -4,7 +4,9 @@
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random bf16 inputs; fsattn's
 quantisation pre-pass is inside its time. Effective TFLOP/s = 4*B*H*Sq*Sk*D / time. Accuracy is
-measured on a random sample of query rows of two heads against the float64 reference.
+measured on a random sample of query rows of two heads against the float64 reference. With
+``--kernel-times`` each fsattn row also lists the GPU time of each kernel of a call (torch.profiler
+over a few calls): where the call's time goes (pre-passes, the key sort, the forward kernel).
 """
 
 from __future__ import annotations
@@ -103,6 +105,29 @@ def kernel_report():
     return rows
 
 
+def per_kernel_us(events, calls):
+    """Microseconds per call of each CUDA kernel among profiler `events` recorded over `calls` calls
+    (a kernel launched more than once a call, as a sort's passes are, is summed), largest first."""
+    total = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] = total.get(e.name, 0.0) + e.device_time / calls
+    return dict(sorted(total.items(), key=lambda item: -item[1]))
+
+
+def kernel_times(fn, calls=5):
+    """:func:`per_kernel_us` of `fn`'s calls, after one untimed call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return per_kernel_us(prof.events(), calls)
+
+
 def make_inputs(shape, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(shape.batch, s, shape.heads, shape.head_dim, device="cuda", dtype=torch.bfloat16,
@@ -157,6 +182,8 @@ def main():
     parser.add_argument("--no-accuracy", action="store_true")
     parser.add_argument("--rep-ms", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also the GPU time of each kernel of an fsattn call, from torch.profiler")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
 
@@ -173,6 +200,8 @@ def main():
               f"{row.get('tflops', float('nan')):7.1f} TFLOP/s x{row.get('speedup', float('nan')):5.2f} "
               f"cos {acc.get('cos', float('nan')):.6f} l1 {acc.get('rel_l1', float('nan')):.4f} "
               f"fb {row.get('fallback_share', '')} {row.get('error', '')}", flush=True)
+        for kernel, us in (row.get("kernel_us") or {}).items():
+            print(f"{'':16s}   {us:10.1f} us  {kernel[:100]}", flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"environment": env, "rows": rows, "kernels": kernel_report()}, f, indent=1)
@@ -205,12 +234,13 @@ def main():
                 s = stats()
                 share = f"{s['fallback_q_tiles']}/{s['q_tiles']}" if s["q_tiles"] else ""
                 ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
+                kernel_us = kernel_times(fn) if args.kernel_times else None
             except Exception as exc:
                 record({"shape": name, "method": f"fsattn[{label}]", "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
             record({"shape": name, "method": f"fsattn[{label}]", "config": fields, "ms": ms,
                     "tflops": shape.flops / ms / 1e9, "speedup": (base_ms / ms) if base_ms else float("nan"),
-                    "accuracy": acc, "fallback_share": share})
+                    "accuracy": acc, "fallback_share": share, "kernel_us": kernel_us})
         del q, k, v, mask
         torch.cuda.empty_cache()
 

@@ -33,9 +33,11 @@ replay writes the bytes an eager call writes):
 
 With ``sort_keys`` (``k_granularity="sorted_block"``, or ``"auto"`` on long calls) a fourth launch
 and a sort come between 1 and 2: ``_key_size_kernel`` writes each key's size (the largest magnitude
-of the key less its head's mean; -1 for masked keys and padding), torch's stable argsort orders each
+of the key less its head's mean; -1 for masked keys and padding), torch's stable sort orders each
 head's keys by it, largest first, and the packing reads every key, value and weight through that
-order, so that each tile of a per-tile K scale holds keys of nearly one size.
+order, so that each tile of a per-tile K scale holds keys of nearly one size. A tile's K scale is
+then its first key's size, read from the sorted sizes: the packing goes through K a sub-tile at a
+time, as with per-key scales, instead of holding a whole tile to find its largest magnitude.
 """
 
 from __future__ import annotations
@@ -89,6 +91,17 @@ def prepass_max_registers(d_pad: int) -> int:
     168 stays there.
     """
     return 128 if d_pad >= 128 else 168
+
+
+def _pack_max_registers(d_pad: int, k_per_token: bool, sort_keys: bool) -> int:
+    """Register ceiling of the packing kernel. Per-block K scales over keys in their own order
+    hold a whole tile in the K loop, which spills under the pre-pass ceiling: none there. Over
+    sorted keys the V loop reads keys and weights through the order (and, in the "wgmma" order,
+    in permuted runs): at 128 registers its build for the warp-specialised kernel spilled 52 bytes
+    under Triton 3.6, at 168 none (at head dim 64, 12 bytes under 3.6 only)."""
+    if k_per_token:
+        return prepass_max_registers(d_pad)
+    return max(prepass_max_registers(d_pad), 168) if sort_keys else 255
 
 
 def prepass_programs_target(d_pad: int) -> int:
@@ -538,7 +551,7 @@ def _key_size_kernel(
 @triton.jit(do_not_specialize=["seq_len"])
 def _quantize_kv_kernel(
     k_ptr, v_ptr, w_ptr, ws_ptr,
-    kq_ptr, vt_ptr, rowsum_w_ptr, order_ptr,
+    kq_ptr, vt_ptr, rowsum_w_ptr, order_ptr, sorted_size_ptr,
     seq_len, head_dim, n_kv_heads, n_split, tiles_per_program, n_tiles, s_pad,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -592,13 +605,13 @@ def _quantize_kv_kernel(
         tl.store(stat + 4 * row, n_attended)
 
     # K, then V, each over this program's keys: one tile live at a time (one loop doing both
-    # kept twice the registers). K scales per block need whole tiles; the rest goes SUB_N keys
-    # at a time.
+    # kept twice the registers). K scales per block of keys in their own order need whole tiles
+    # (the block's largest magnitude); the rest goes SUB_N keys at a time.
     first = split * tiles_per_program
     last = tl.minimum(first + tiles_per_program, n_tiles)
-    K_ROWS: tl.constexpr = SUB_N if K_PER_TOKEN else BLOCK_N
+    K_ROWS: tl.constexpr = SUB_N if K_PER_TOKEN or SORTED else BLOCK_N
     # A whole tile per step for block scales: one in flight (two spilled).
-    K_STAGES: tl.constexpr = LOOP_STAGES if K_PER_TOKEN else 1
+    K_STAGES: tl.constexpr = LOOP_STAGES if K_PER_TOKEN or SORTED else 1
     for sub in tl.range(first * (BLOCK_N // K_ROWS), last * (BLOCK_N // K_ROWS), num_stages=K_STAGES):
         rows = tl.arange(0, K_ROWS).to(tl.int64) + sub * K_ROWS
         keys = rows
@@ -615,9 +628,16 @@ def _quantize_kv_kernel(
             k_q = _round_half_away(k * (127.0 / k_amax)[:, None]).to(tl.int8)
             tl.store(k_scale_ptr + out_rows, k_amax / 127.0)
         else:
-            k_amax = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), 1e-20)
+            tile = sub // (BLOCK_N // K_ROWS)
+            if SORTED:
+                # Largest first: the tile's largest magnitude is its first key's size (the same
+                # fp32 max of the same differences; -1 where the whole tile is masked or padding).
+                k_amax = tl.maximum(tl.load(sorted_size_ptr + bh.to(tl.int64) * s_pad + tile * BLOCK_N), 1e-20)
+            else:
+                k_amax = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), 1e-20)
             k_q = _round_half_away(k * (127.0 / k_amax)).to(tl.int8)
-            tl.store(k_scale_ptr + bh.to(tl.int64) * n_tiles + sub, k_amax / 127.0)
+            # Written by each of the tile's sub-tiles when sorted: the same value.
+            tl.store(k_scale_ptr + bh.to(tl.int64) * n_tiles + tile, k_amax / 127.0)
         tl.store(kq_ptr + out_rows[:, None] * D_PAD + cols[None, :], k_q)
 
     # The row-sum weights: rows of batch b (one row block for the whole batch when unmasked),
@@ -802,8 +822,7 @@ class KVPrepass:
             BLOCK_N=block_n,
             SUB_N=sub_n, D_PAD=d_pad, ROWSUM_COLS=ROWSUM_COLS, SPLIT_BLOCK=SPLIT_BLOCK, LOOP_STAGES=LOOP_STAGES,
             V_ERR_ROWS=min(V_ERR_ROWS, sub_n), num_warps=PREPASS_WARPS,
-            # Per-block K scales: the K loop holds a whole tile, which spills under the ceiling.
-            maxnreg=prepass_max_registers(d_pad) if k_per_token else 255)
+            maxnreg=_pack_max_registers(d_pad, k_per_token, sort_keys))
 
     @property
     def direct(self) -> bool:
@@ -829,12 +848,13 @@ class KVPrepass:
         which the buffers must be tensors for."""
         w = key_weight if self._has_weight else workspace  # the workspace: an unused pointer
         self._stats(k, v, w, workspace, *self._stats_args, stream=stream)
-        order = None
+        order = sorted_sizes = None
         if self._sort_keys:
             sizes = torch.empty(self._bsz * self._heads, self.s_pad, dtype=torch.float32, device=k_q.device)
             self._sizes(k, w, workspace, sizes, *self._size_args, stream=stream)
             # Stable, so that ties (masked keys, padding) keep their order and the result is deterministic.
-            order = torch.argsort(sizes, dim=1, descending=True, stable=True).view(self._bsz, self._heads, self.s_pad)
+            sorted_sizes, order = torch.sort(sizes, dim=1, descending=True, stable=True)
+            order = order.view(self._bsz, self._heads, self.s_pad)
         self._pack(k, v, w, workspace, k_q, v_t, rowsum_weights, workspace if order is None else order,
-                   *self._pack_args, stream=stream)
+                   workspace if sorted_sizes is None else sorted_sizes, *self._pack_args, stream=stream)
         return order

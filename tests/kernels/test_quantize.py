@@ -155,17 +155,26 @@ def test_wgmma_order_and_any_split(poisoned, masked, n_programs_target):
     _check_prepass(k, v, weight, kv, v_shift, block_n=32, smooth_v=True, v_dtype=FP8)
 
 
+# Tiles of one loop step (32 keys at padded head dim 64), and 128-key tiles packed in steps of
+# 32 keys, where a per-tile K scale is the sorted tile's first size, read by every step.
+SORTED_SHAPES = {"32-key tiles": dict(block_n=32, d_pad=64, seq=150, dim=48),
+                 "128-key tiles in 32-key steps": dict(block_n=128, d_pad=128, seq=250, dim=128)}
+
+
 @pytest.mark.parametrize("pv_key_order", PV_KEY_ORDERS)
 @pytest.mark.parametrize("k_per_token", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_sorted_keys_are_the_packing_of_the_keys_in_order_of_size(poisoned, masked, k_per_token, pv_key_order):
+@pytest.mark.parametrize("shape", SORTED_SHAPES.values(), ids=SORTED_SHAPES.keys())
+def test_sorted_keys_are_the_packing_of_the_keys_in_order_of_size(poisoned, shape, masked, k_per_token,
+                                                                  pv_key_order):
     # sort_keys stores each head's keys by size, largest first, masked keys and padding last: the
     # same buffers as packing those keys in that order, and their weights are the same for every
     # head (the first n_attended keys attended).
-    k, v, weight = _inputs(masked=masked, seed=4)
+    block_n = shape["block_n"]
+    k, v, weight = _inputs(seq=shape["seq"], heads=2, dim=shape["dim"], masked=masked, seed=4)
     bsz, seq, heads, dim = k.shape
-    kv, v_shift = _prepass(k, v, weight, block_n=32, d_pad=64, k_per_token=k_per_token, pv_key_order=pv_key_order,
-                           sort_keys=True, n_programs_target=12)
+    kv, v_shift = _prepass(k, v, weight, block_n=block_n, d_pad=shape["d_pad"], k_per_token=k_per_token,
+                           pv_key_order=pv_key_order, sort_keys=True, n_programs_target=12)
     order = kv.key_order
     s_pad = kv.k_q.shape[2]
     assert order.shape == (bsz, heads, s_pad) and torch.equal(order.sort(-1).values,
@@ -188,7 +197,7 @@ def test_sorted_keys_are_the_packing_of_the_keys_in_order_of_size(poisoned, mask
     head_order = order[:, :, :seq].transpose(1, 2)  # (B, S, H)
     k_sorted, v_sorted = (t.gather(1, head_order[..., None].expand_as(t)) for t in (k, v))
     w_sorted = (torch.arange(seq, device=DEVICE)[None] < n_attended).float()
-    _check_prepass(k_sorted, v_sorted, w_sorted if masked else None, kv, v_shift, block_n=32, smooth_v=True,
+    _check_prepass(k_sorted, v_sorted, w_sorted if masked else None, kv, v_shift, block_n=block_n, smooth_v=True,
                    v_dtype=FP8)
 
 
