@@ -610,7 +610,7 @@ def _quantize_kv_kernel(
     first = split * tiles_per_program
     last = tl.minimum(first + tiles_per_program, n_tiles)
     K_ROWS: tl.constexpr = SUB_N if K_PER_TOKEN or SORTED else BLOCK_N
-    # A whole tile per step for block scales: one in flight (two spilled).
+    # A whole tile per step for block scales over unsorted keys: one in flight (two spilled).
     K_STAGES: tl.constexpr = LOOP_STAGES if K_PER_TOKEN or SORTED else 1
     for sub in tl.range(first * (BLOCK_N // K_ROWS), last * (BLOCK_N // K_ROWS), num_stages=K_STAGES):
         rows = tl.arange(0, K_ROWS).to(tl.int64) + sub * K_ROWS
@@ -630,8 +630,9 @@ def _quantize_kv_kernel(
         else:
             tile = sub // (BLOCK_N // K_ROWS)
             if SORTED:
-                # Largest first: the tile's largest magnitude is its first key's size (the same
-                # fp32 max of the same differences; -1 where the whole tile is masked or padding).
+                # Largest first: the tile's largest magnitude is its first key's size (for finite
+                # keys the same fp32 max of the same differences; -1 where the whole tile is
+                # masked or padding).
                 k_amax = tl.maximum(tl.load(sorted_size_ptr + bh.to(tl.int64) * s_pad + tile * BLOCK_N), 1e-20)
             else:
                 k_amax = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), 1e-20)

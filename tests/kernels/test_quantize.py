@@ -156,9 +156,10 @@ def test_wgmma_order_and_any_split(poisoned, masked, n_programs_target):
 
 
 # Tiles of one loop step (32 keys at padded head dim 64), and 128-key tiles packed in steps of
-# 32 keys, where a per-tile K scale is the sorted tile's first size, read by every step.
+# 32 keys, where a per-tile K scale is the sorted tile's first size, read by every step. Masked,
+# both have a last tile of masked keys and padding alone.
 SORTED_SHAPES = {"32-key tiles": dict(block_n=32, d_pad=64, seq=150, dim=48),
-                 "128-key tiles in 32-key steps": dict(block_n=128, d_pad=128, seq=250, dim=128)}
+                 "128-key tiles in 32-key steps": dict(block_n=128, d_pad=128, seq=300, dim=128)}
 
 
 @pytest.mark.parametrize("pv_key_order", PV_KEY_ORDERS)
