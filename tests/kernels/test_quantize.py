@@ -202,6 +202,30 @@ def test_sorted_keys_are_the_packing_of_the_keys_in_order_of_size(poisoned, shap
                    v_dtype=FP8)
 
 
+@pytest.mark.parametrize("pv_key_order", PV_KEY_ORDERS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_sorted_tiles_k_scale_has_the_bits_of_the_largest_magnitude_in_it(masked, pv_key_order):
+    # The packing of sorted keys reads each tile's K scale from the sorted sizes (its first key's)
+    # instead of taking the tile's largest magnitude. With integer keys every sum is exact in fp32,
+    # so the K mean has the same bits in any key order: the unsorted per-tile packing, which
+    # takes each tile's largest magnitude from the tile, of the keys put in the sorted order
+    # beforehand gives the same scales and INT8 keys, bit for bit.
+    gen = torch.Generator().manual_seed(12)
+    k = torch.randint(-60, 61, (2, 300, 2, 128), generator=gen).float().to(DEVICE)
+    v = torch.randn(2, 300, 2, 128, generator=gen).to(DEVICE)
+    weight = (torch.rand(2, 300, generator=gen) > 0.4).float().to(DEVICE) if masked else None
+    layout = dict(block_n=128, d_pad=128, k_per_token=False, pv_key_order=pv_key_order, n_programs_target=8)
+    sorted_kv = quantize_kv(k, v, weight, sort_keys=True, **layout)
+    head_order = sorted_kv.key_order[:, :, :300].transpose(1, 2)  # (B, S, H): real keys first, masked ones last
+    k_sorted = k.gather(1, head_order[..., None].expand_as(k))
+    w_sorted = None if weight is None else (torch.arange(300, device=DEVICE)[None] < weight.sum(1, keepdim=True)).float()
+    in_order = quantize_kv(k_sorted, v, w_sorted, sort_keys=False, **layout)
+    assert torch.equal(sorted_kv.k_scale, in_order.k_scale)
+    assert torch.equal(sorted_kv.k_q, in_order.k_q)
+    if masked:  # the last tile holds masked keys and padding alone: the scale's floor
+        assert (sorted_kv.k_scale[..., -1] < 1e-21).all() and (sorted_kv.k_scale[..., :-1] > 0.1).all()
+
+
 @pytest.mark.parametrize("seq", [256, 250])
 @pytest.mark.parametrize("masked", [False, True])
 def test_head_dim_128_tiles_of_128_keys(poisoned, seq, masked):
