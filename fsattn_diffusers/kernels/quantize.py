@@ -101,7 +101,7 @@ def _pack_max_registers(d_pad: int, k_per_token: bool, sort_keys: bool) -> int:
     under Triton 3.6, at 168 none (at head dim 64, 12 bytes under 3.6 only)."""
     if k_per_token:
         return prepass_max_registers(d_pad)
-    return max(prepass_max_registers(d_pad), 168) if sort_keys else 255
+    return 168 if sort_keys else 255
 
 
 def prepass_programs_target(d_pad: int) -> int:

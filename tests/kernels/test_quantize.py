@@ -218,7 +218,8 @@ def test_a_sorted_tiles_k_scale_has_the_bits_of_the_largest_magnitude_in_it(mask
     sorted_kv = quantize_kv(k, v, weight, sort_keys=True, **layout)
     head_order = sorted_kv.key_order[:, :, :300].transpose(1, 2)  # (B, S, H): real keys first, masked ones last
     k_sorted = k.gather(1, head_order[..., None].expand_as(k))
-    w_sorted = None if weight is None else (torch.arange(300, device=DEVICE)[None] < weight.sum(1, keepdim=True)).float()
+    n_attended = None if weight is None else weight.sum(1, keepdim=True)
+    w_sorted = None if weight is None else (torch.arange(300, device=DEVICE)[None] < n_attended).float()
     in_order = quantize_kv(k_sorted, v, w_sorted, sort_keys=False, **layout)
     assert torch.equal(sorted_kv.k_scale, in_order.k_scale)
     assert torch.equal(sorted_kv.k_q, in_order.k_q)
