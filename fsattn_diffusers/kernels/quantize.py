@@ -630,13 +630,18 @@ def _quantize_kv_kernel(
         else:
             tile = sub // (BLOCK_N // K_ROWS)
             if SORTED:
-                # Largest first: the tile's largest magnitude is its first key's size (for finite
-                # keys the same fp32 max of the same differences; -1 where the whole tile is
-                # masked or padding).
+                # Largest first: the tile's largest magnitude is its first key's size (-1 where the
+                # whole tile is masked or padding). That size was taken from the K mean the size
+                # pass reduced; this kernel reduced its own, by the same code, but nothing makes
+                # two kernels' builds round alike, and where the mean is large against the keys'
+                # spread a last-bit difference in it moves a key well past the scale: saturate
+                # there (an int8 conversion wraps).
                 k_amax = tl.maximum(tl.load(sorted_size_ptr + bh.to(tl.int64) * s_pad + tile * BLOCK_N), 1e-20)
+                k_scaled = tl.minimum(tl.maximum(k * (127.0 / k_amax), -127.0), 127.0)
             else:
                 k_amax = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), 1e-20)
-            k_q = _round_half_away(k * (127.0 / k_amax)).to(tl.int8)
+                k_scaled = k * (127.0 / k_amax)
+            k_q = _round_half_away(k_scaled).to(tl.int8)
             # Written by each of the tile's sub-tiles when sorted: the same value.
             tl.store(k_scale_ptr + bh.to(tl.int64) * n_tiles + tile, k_amax / 127.0)
         tl.store(kq_ptr + out_rows[:, None] * D_PAD + cols[None, :], k_q)

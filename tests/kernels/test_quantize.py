@@ -227,6 +227,35 @@ def test_a_sorted_tiles_k_scale_has_the_bits_of_the_largest_magnitude_in_it(mask
         assert (sorted_kv.k_scale[..., -1] < 1e-21).all() and (sorted_kv.k_scale[..., :-1] > 0.1).all()
 
 
+def test_a_sorted_tiles_k_scale_below_its_largest_magnitude_saturates_the_int8_keys(monkeypatch):
+    # The sorted tile's scale is its first key's size as the size pass computed it, while the
+    # packing subtracts the K mean it reduced itself. Should the two means differ in their last
+    # bits, a key's magnitude can exceed the scale by much more than a rounding where the mean is
+    # large against the keys' spread: the packing must then saturate at +-127, never wrap.
+    # Simulated by scales 3 % below the sizes: the largest key of each tile then rounds past 127.
+    sort = torch.sort
+
+    def sort_with_small_sizes(sizes, *args, **kwargs):
+        values, order = sort(sizes, *args, **kwargs)
+        return torch.where(values > 0, values * 0.97, values), order
+
+    monkeypatch.setattr(torch, "sort", sort_with_small_sizes)
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randint(-60, 61, (1, 300, 2, 128), generator=gen).float().to(DEVICE)  # exact fp32 sums
+    v = torch.randn(1, 300, 2, 128, generator=gen).to(DEVICE)
+    kv = quantize_kv(k, v, None, block_n=128, d_pad=128, k_per_token=False, pv_key_order="wgmma",
+                     sort_keys=True, n_programs_target=8)
+    mean = k.sum(1, keepdim=True) / 300.0  # fp32, as the kernels divide
+    centred = (k - mean).transpose(1, 2)  # (B, H, S, D)
+    centred = torch.nn.functional.pad(centred, (0, 0, 0, kv.k_q.shape[2] - 300))
+    centred = centred.gather(2, kv.key_order[..., None].expand_as(centred))
+    scale = kv.k_scale.repeat_interleave(128, -1)[..., None] * 127.0  # each key's tile amax
+    scaled = centred * (127.0 / scale)
+    assert scaled.abs().amax() > 128.0, "some key must lie past the scale for this test to mean anything"
+    expected = torch.where(scaled >= 0, scaled + 0.5, scaled - 0.5).trunc().clamp(-127, 127)
+    assert torch.equal(kv.k_q.float(), expected)
+
+
 @pytest.mark.parametrize("seq", [256, 250])
 @pytest.mark.parametrize("masked", [False, True])
 def test_head_dim_128_tiles_of_128_keys(poisoned, seq, masked):
