@@ -251,9 +251,12 @@ def test_a_sorted_tiles_k_scale_below_its_largest_magnitude_saturates_the_int8_k
     centred = centred.gather(2, kv.key_order[..., None].expand_as(centred))
     scale = kv.k_scale.repeat_interleave(128, -1)[..., None] * 127.0  # each key's tile amax
     scaled = centred * (127.0 / scale)
-    assert scaled.abs().amax() > 128.0, "some key must lie past the scale for this test to mean anything"
     expected = torch.where(scaled >= 0, scaled + 0.5, scaled - 0.5).trunc().clamp(-127, 127)
-    assert torch.equal(kv.k_q.float(), expected)
+    past = scaled.abs() >= 128.0  # past the scale by far more than a rounding
+    assert past.sum() > 10, "some keys must lie past the scale for this test to mean anything"
+    assert torch.equal(kv.k_q.float()[past], expected[past]), "+-127 with the key's sign, never wrapped"
+    # Elsewhere the packing as usual (a GPU's division may round a last bit otherwise: a step at most).
+    assert (kv.k_q.float() - expected).abs().max() <= 1
 
 
 @pytest.mark.parametrize("seq", [256, 250])
