@@ -37,7 +37,8 @@ of the key less its head's mean; -1 for masked keys and padding), torch's stable
 head's keys by it, largest first, and the packing reads every key, value and weight through that
 order, so that each tile of a per-tile K scale holds keys of nearly one size. A tile's K scale is
 then its first key's size, read from the sorted sizes: the packing goes through K a sub-tile at a
-time, as with per-key scales, instead of holding a whole tile to find its largest magnitude.
+time, as with per-key scales, instead of holding a whole tile to find its largest magnitude (and
+saturates a key that lies past that scale at +-127: the two kernels each reduce the K mean).
 """
 
 from __future__ import annotations
