@@ -37,8 +37,10 @@ of the key less its head's mean; -1 for masked keys and padding), torch's stable
 head's keys by it, largest first, and the packing reads every key, value and weight through that
 order, so that each tile of a per-tile K scale holds keys of nearly one size. A tile's K scale is
 then its first key's size, read from the sorted sizes: the packing goes through K a sub-tile at a
-time, as with per-key scales, instead of holding a whole tile to find its largest magnitude (and
-saturates a key that lies past that scale at +-127: the two kernels each reduce the K mean).
+time, as with per-key scales, instead of holding a whole tile to find its largest magnitude. The
+size pass writes the head's K mean, and the packing subtracts that one rather than its own
+reduction of the same partials, so that a tile's scale is the largest magnitude of the keys as
+packed, bit for bit (a key past its scale would saturate at +-127, not wrap).
 """
 
 from __future__ import annotations
@@ -530,10 +532,12 @@ def _key_size_kernel(
     bh = tl.program_id(1)
     b = (bh // n_kv_heads).to(tl.int64)
     h = (bh % n_kv_heads).to(tl.int64)
-    _, partials, _, _ = _workspace(ws_ptr, tl.num_programs(1), n_split, D_PAD)
+    stats, partials, _, _ = _workspace(ws_ptr, tl.num_programs(1), n_split, D_PAD)
     k_mean, _ = _head_k_mean(partials, bh, n_split, SPLIT_BLOCK, D_PAD)
     cols = tl.arange(0, D_PAD)
     col_in = cols < head_dim
+    if split == 0:  # the mean the packing subtracts: one reduction's bits for the sizes and the keys
+        tl.store(stats + bh.to(tl.int64) * D_PAD + cols, k_mean)
     first = split * tiles_per_program * (BLOCK_N // SUB_N)
     last = tl.minimum(split * tiles_per_program + tiles_per_program, n_tiles) * (BLOCK_N // SUB_N)
     for sub in tl.range(first, last, num_stages=LOOP_STAGES):
@@ -584,6 +588,8 @@ def _quantize_kv_kernel(
     # The head's statistics from its partials (fp32 throughout, divisions rounded as torch's).
     mine = partials + bh.to(tl.int64) * n_split * 5 * D_PAD + cols
     k_mean, n_attended = _head_k_mean(partials, bh, n_split, SPLIT_BLOCK, D_PAD)
+    if SORTED:  # the size pass's K mean (written before this launch), from which the tiles' scales came
+        k_mean = tl.load(stats + bh.to(tl.int64) * D_PAD + cols)
     count = tl.maximum(n_attended, 1.0)
     v_mean = tl.zeros([D_PAD], tl.float32)
     v_scale = tl.full([D_PAD], 1.0, tl.float32)
@@ -599,7 +605,8 @@ def _quantize_kv_kernel(
     if split == 0:
         stat = stats + bh.to(tl.int64) * D_PAD + cols
         row = n_bh * D_PAD
-        tl.store(stat, k_mean)
+        if not SORTED:
+            tl.store(stat, k_mean)
         tl.store(stat + row, v_mean)  # quantize_q subtracts the rounding error
         tl.store(stat + 2 * row, v_scale)
         tl.store(stat + 3 * row, v_mean)
@@ -632,11 +639,9 @@ def _quantize_kv_kernel(
             tile = sub // (BLOCK_N // K_ROWS)
             if SORTED:
                 # Largest first: the tile's largest magnitude is its first key's size (-1 where the
-                # whole tile is masked or padding). That size was taken from the K mean the size
-                # pass reduced; this kernel reduced its own, by the same code, but nothing makes
-                # two kernels' builds round alike, and where the mean is large against the keys'
-                # spread a last-bit difference in it moves a key well past the scale: saturate
-                # there (an int8 conversion wraps).
+                # whole tile is masked or padding), taken from the same K mean as these keys. The
+                # clamp keeps the contract that no key wraps past +-127 whatever scale arrives: a
+                # key past it saturates, where the int8 conversion would wrap.
                 k_amax = tl.maximum(tl.load(sorted_size_ptr + bh.to(tl.int64) * s_pad + tile * BLOCK_N), 1e-20)
                 k_scaled = tl.minimum(tl.maximum(k * (127.0 / k_amax), -127.0), 127.0)
             else:

@@ -228,11 +228,11 @@ def test_a_sorted_tiles_k_scale_has_the_bits_of_the_largest_magnitude_in_it(mask
 
 
 def test_a_sorted_tiles_k_scale_below_its_largest_magnitude_saturates_the_int8_keys(monkeypatch):
-    # The sorted tile's scale is its first key's size as the size pass computed it, while the
-    # packing subtracts the K mean it reduced itself. Should the two means differ in their last
-    # bits, a key's magnitude can exceed the scale by much more than a rounding where the mean is
-    # large against the keys' spread: the packing must then saturate at +-127, never wrap.
-    # Simulated by scales 3 % below the sizes: the largest key of each tile then rounds past 127.
+    # The packing of sorted keys takes each tile's scale from the sorted sizes, which the size pass
+    # computed from the same K mean as the keys it packs. Whatever scale arrives, no INT8 key may
+    # wrap: a key past its scale saturates at +-127 (a K mean off by a last bit, where the mean is
+    # large against the keys' spread, would put keys far past it). Simulated by scales 3 % below
+    # the sizes: the largest key of each tile then rounds past 127.
     sort = torch.sort
 
     def sort_with_small_sizes(sizes, *args, **kwargs):
