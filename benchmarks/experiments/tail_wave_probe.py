@@ -12,8 +12,8 @@ building. This probe measures it.
 A copy of the package's kernel module (kernels/_ws_tail_clocked.py, written by this script) records,
 per program, its SM (%smid), its start (%globaltimer, before the partitions fork) and each consumer's
 end (after its epilogue's stores) into a buffer the launch passes last. `fsattn()` runs with the copy
-(plan.gluon_module patched, as benchmarks/experiments/ws_variant_probe.py did), and with the
-package's kernel for the instrumentation's cost.
+(plan.gluon_module patched, as commit b4fe700's benchmarks/experiments/ws_variant_probe.py did),
+and with the package's kernel for the instrumentation's cost.
 
     python3 benchmarks/experiments/tail_wave_probe.py --out $OUT/tail.json [--shapes ...] [--calls 3]
     python3 benchmarks/experiments/tail_wave_probe.py --compile-check   # CPU: patches apply, sm_90a build
@@ -136,11 +136,13 @@ def tail_of(buffer, n_sms_device):
             "lockstep_idle_share": lockstep}
 
 
-def measure(shapes, calls):
+def measure(shapes, calls, out):
+    """Each shape's rows, the report written to `out` after each (a call cut short keeps what ran)."""
     from triton.testing import do_bench
     clocked = write_copy()
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    results = []
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "triton": importlib.import_module("triton").__version__, "results": []}
     for name in shapes:
         shape = SHAPES.get(name) or SWEEP[name]
         q, k, v, mask = make_inputs(shape, seed=0)
@@ -159,9 +161,10 @@ def measure(shapes, calls):
         use(None)
         row["package_ms"] = do_bench(lambda: fsattn(q, k, v, attn_mask=mask), warmup=200, rep=1000)
         print(json.dumps(row), flush=True)
-        results.append(row)
-    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "triton": importlib.import_module("triton").__version__, "results": results}
+        report["results"].append(row)
+        if out:
+            with open(out, "w") as f:
+                json.dump(report, f, indent=1)
 
 
 def compile_check():
@@ -195,14 +198,11 @@ def main():
         if args.compile_check:
             compile_check()
             return
-        report = measure(args.shapes, args.calls)
+        measure(args.shapes, args.calls, args.out)
     finally:
         copy = os.path.join(kernels_pkg.__path__[0], COPY + ".py")
         if os.path.exists(copy):
             os.remove(copy)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ replay writes the bytes an eager call writes):
    K and V, takes V's per-channel min and max and counts the attended keys over its own run of
    key tiles (:func:`kv_split`), and writes them as one partial.
 2. ``_quantize_kv_kernel`` (:func:`quantize_kv`), same grid: each program reduces its head's
-   partials, in a fixed order so that every program of the head gets the same bits, to the K mean,
-   V mean and V scale; packs its own key tiles and their row-sum weights; and writes V's rounding
-   error summed over them as one partial.
+   partials, in a fixed order so that every program of the head gets the same bits, to the K mean
+   (with ``sort_keys``: reads the size pass's, below), V mean and V scale; packs its own key tiles
+   and their row-sum weights; and writes V's rounding error summed over them as one partial.
 3. ``_quantize_q_kernel`` (:func:`quantize_q`): besides quantising Q, one program per (batch, KV
    head) reduces those rounding-error partials into the V mean the forward kernel adds back
    (``QuantizedKV.v_mean``). Until then ``v_mean`` holds the mean subtracted from V, uncorrected.
@@ -527,7 +527,7 @@ def _key_size_kernel(
 ):
     """Each key's size, the largest magnitude of the key less its head's mean, for the order of
     ``sort_keys``; -1 for masked keys and padding, so that they sort last (grid as the
-    statistics')."""
+    statistics'). Also writes that mean into the statistics, for the packing to subtract."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // n_kv_heads).to(tl.int64)
