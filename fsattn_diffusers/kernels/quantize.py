@@ -101,7 +101,8 @@ def _pack_max_registers(d_pad: int, k_per_token: bool, sort_keys: bool) -> int:
     hold a whole tile in the K loop, which spills under the pre-pass ceiling: none there. Over
     sorted keys the V loop reads keys and weights through the order (and, in the "wgmma" order,
     in permuted runs): at 128 registers its build for the warp-specialised kernel spilled 52 bytes
-    under Triton 3.6, at 168 none (at head dim 64, 12 bytes under 3.6 only)."""
+    under Triton 3.6, at 168 none (at head dim 64, 16 bytes under 3.6 only: two local loads a
+    V step)."""
     if k_per_token:
         return prepass_max_registers(d_pad)
     return 168 if sort_keys else 255
