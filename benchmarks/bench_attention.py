@@ -8,6 +8,10 @@ measured on a random sample of query rows of two heads against the float64 refer
 ``--kernel-times`` each fsattn row also lists the GPU time of each kernel of a call (torch.profiler
 over a few calls): where the call's time goes (pre-passes, the key sort, the forward kernel). The
 profiling runs after every timing, on fresh inputs of the same seed, so that no timing follows it.
+Each timed row also carries the GPU's SM clock, board power and clock-event reasons sampled by
+``nvidia-smi`` while it was timed: the 8-bit kernels are bound by the card's power limit at the large
+shapes, so the same code runs at different clocks on cards of the same name, and a time is only
+comparable with another taken at the same clock.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import json
 import os
 import platform
 import subprocess
+import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -81,11 +87,85 @@ def environment():
         info["gpu"] = torch.cuda.get_device_name()
         info["capability"] = list(torch.cuda.get_device_capability())
         try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True).stdout.strip()
-        except OSError:
+            info["driver"], info["power_limit_w"], info["max_sm_mhz"] = (
+                f.strip() for f in subprocess.run(
+                    ["nvidia-smi", "-i", ClockSampler()._gpu_index(), "--format=csv,noheader,nounits",
+                     "--query-gpu=driver_version,power.limit,clocks.max.sm"],
+                    capture_output=True, text=True).stdout.split(","))
+        except (OSError, ValueError):
             info["driver"] = None
     return info
+
+
+# nvidia-smi's clock-event ("throttle") reason bits, by the names its documentation gives them.
+CLOCK_EVENT_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                       0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks"}
+
+
+def summarise_clock_samples(lines):
+    """Median SM clock (MHz) and board power (W), and the union of clock-event reasons, of nvidia-smi
+    lines "MHz, W, 0xREASONS" (``--format=csv,noheader,nounits``); None if no line parses."""
+    mhz, watts, reasons = [], [], 0
+    for line in lines:
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            clock, power, bits = float(fields[0]), float(fields[1]), int(fields[2], 16)
+        except (IndexError, ValueError):  # a header, a blank or "[N/A]": not a sample
+            continue
+        mhz.append(clock)
+        watts.append(power)
+        reasons |= bits
+    if not mhz:
+        return None
+    return {"sm_mhz": statistics.median(mhz), "power_w": round(statistics.median(watts), 1),
+            "reasons": [name for bit, name in CLOCK_EVENT_REASONS.items() if reasons & bit], "samples": len(mhz)}
+
+
+class ClockSampler:
+    """``with ClockSampler() as clocks: ...`` samples the current GPU's clock, power and clock-event
+    reasons every `period_ms` while the block runs; ``clocks.summary`` is then
+    :func:`summarise_clock_samples` of them, or None where nvidia-smi is absent or gave nothing."""
+
+    def __init__(self, period_ms=50):
+        self.period_ms = period_ms
+        self.summary = None
+        self._lines = []
+        self._proc = None
+
+    def _gpu_index(self):
+        # nvidia-smi numbers every GPU of the host; CUDA numbers those CUDA_VISIBLE_DEVICES lets through.
+        current = torch.cuda.current_device()
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        return visible[current] if current < len(visible) else str(current)
+
+    def __enter__(self):
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "-i", self._gpu_index(), "--format=csv,noheader,nounits", "-lms", str(self.period_ms),
+                 "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return self
+        first = threading.Event()
+
+        def read():
+            for line in self._proc.stdout:
+                self._lines.append(line)
+                first.set()
+            first.set()
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+        first.wait(timeout=5.0)  # nvidia-smi takes a moment to start: let the window open before the work
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._reader.join(timeout=5.0)
+        self.summary = summarise_clock_samples(self._lines)
+        return False
 
 
 def kernel_report():
@@ -202,10 +282,12 @@ def main():
     def record(row):
         rows.append(row)
         acc = row.get("accuracy") or {}
+        clk = row.get("clocks") or {}
+        clk_text = f"{clk['sm_mhz']:.0f} MHz {clk['power_w']:.0f} W {'+'.join(clk['reasons'])}" if clk else ""
         print(f"{row['shape']:16s} {row['method']:28s} {row.get('ms', float('nan')):9.3f} ms "
               f"{row.get('tflops', float('nan')):7.1f} TFLOP/s x{row.get('speedup', float('nan')):5.2f} "
               f"cos {acc.get('cos', float('nan')):.6f} l1 {acc.get('rel_l1', float('nan')):.4f} "
-              f"fb {row.get('fallback_share', '')} {row.get('error', '')}", flush=True)
+              f"fb {row.get('fallback_share', '')} {clk_text} {row.get('error', '')}", flush=True)
         save()
 
     names = [n for name in args.shapes for n in SWEEPS.get(name, [name])]
@@ -217,14 +299,15 @@ def main():
             method = f"sdpa_{backend}" if backend != "sage" else "sageattention"
             try:
                 fn = sage_fn(q, k, v, mask) if backend == "sage" else sdpa_fn(q, k, v, mask, backend)
-                ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
+                with ClockSampler() as clocks:
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
             except Exception as exc:  # a backend that cannot take the shape (or is absent)
                 record({"shape": name, "method": method, "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
             if backend == "default":
                 base_ms = ms
             record({"shape": name, "method": method, "ms": ms, "tflops": shape.flops / ms / 1e9,
-                    "speedup": (base_ms / ms) if base_ms else float("nan")})
+                    "speedup": (base_ms / ms) if base_ms else float("nan"), "clocks": clocks.summary})
             torch.cuda.empty_cache()
         for spec in args.variants:
             label, fields = parse_variant(spec)
@@ -235,13 +318,14 @@ def main():
                 acc = None if args.no_accuracy else accuracy(fn, q, k, v, mask, args.seed)
                 s = stats()
                 share = f"{s['fallback_q_tiles']}/{s['q_tiles']}" if s["q_tiles"] else ""
-                ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
+                with ClockSampler() as clocks:
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
             except Exception as exc:
                 record({"shape": name, "method": f"fsattn[{label}]", "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
             record({"shape": name, "method": f"fsattn[{label}]", "config": fields, "ms": ms,
                     "tflops": shape.flops / ms / 1e9, "speedup": (base_ms / ms) if base_ms else float("nan"),
-                    "accuracy": acc, "fallback_share": share})
+                    "accuracy": acc, "fallback_share": share, "clocks": clocks.summary})
         del q, k, v, mask
         torch.cuda.empty_cache()
 

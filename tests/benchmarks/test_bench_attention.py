@@ -24,3 +24,40 @@ def test_kernel_times_are_per_call_summed_over_launches_and_skip_host_events():
     times = bench_attention.per_kernel_us(events, calls=2)
     assert times == {"forward": 105.0, "sort_pass": 9.0}
     assert list(times) == ["forward", "sort_pass"]  # largest first
+
+
+def test_clock_samples_give_medians_and_the_union_of_reasons_and_skip_unreadable_lines():
+    lines = ["1515, 637.2, 0x0000000000000004\n", "[N/A], [N/A], [N/A]\n", "\n",
+             "1980, 100.0, 0x0000000000000001\n", "1600, 640, 0x0\n"]
+    summary = bench_attention.summarise_clock_samples(lines)
+    assert summary == {"sm_mhz": 1600.0, "power_w": 637.2, "reasons": ["gpu_idle", "sw_power_cap"], "samples": 3}
+    assert bench_attention.summarise_clock_samples(["No devices were found\n"]) is None
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, body):
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_clock_sampler_opens_its_window_before_the_work_and_asks_for_the_visible_gpu(tmp_path, monkeypatch):
+    # A slow-starting nvidia-smi that samples every 10 ms: the block must not begin before the first
+    # sample, and the GPU asked for is the host's index of CUDA's current device.
+    _fake_nvidia_smi(tmp_path, monkeypatch, f'echo "$@" > {tmp_path}/args\nsleep 0.3\n'
+                     'while true; do echo "1515, 637.2, 0x0000000000000004"; sleep 0.01; done\n')
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    with bench_attention.ClockSampler(period_ms=10) as clocks:
+        seen_at_start = len(clocks._lines)
+    assert seen_at_start >= 1
+    assert clocks.summary["sm_mhz"] == 1515.0 and clocks.summary["reasons"] == ["sw_power_cap"]
+    assert (tmp_path / "args").read_text().split()[:2] == ["-i", "5"]
+
+
+def test_clock_sampler_without_nvidia_smi_gives_no_summary(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with bench_attention.ClockSampler() as clocks:
+        pass
+    assert clocks.summary is None
