@@ -103,22 +103,25 @@ CLOCK_EVENT_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_pow
 
 
 def summarise_clock_samples(lines):
-    """Median SM clock (MHz) and board power (W), and the union of clock-event reasons, of nvidia-smi
-    lines "MHz, W, 0xREASONS" (``--format=csv,noheader,nounits``); None if no line parses."""
-    mhz, watts, reasons = [], [], 0
+    """Median SM clock (MHz) and board power (W) of nvidia-smi lines "MHz, W, 0xREASONS"
+    (``--format=csv,noheader,nounits``), and the share of them that carried each clock-event
+    reason; None if no line parses. Shares, not a union: a reason seen in one sample at the window's
+    edge says little about the row."""
+    mhz, watts, bits = [], [], []
     for line in lines:
         fields = [f.strip() for f in line.split(",")]
         try:
-            clock, power, bits = float(fields[0]), float(fields[1]), int(fields[2], 16)
+            clock, power, reasons = float(fields[0]), float(fields[1]), int(fields[2], 16)
         except (IndexError, ValueError):  # a header, a blank or "[N/A]": not a sample
             continue
         mhz.append(clock)
         watts.append(power)
-        reasons |= bits
+        bits.append(reasons)
     if not mhz:
         return None
+    shares = {name: round(sum(1 for b in bits if b & bit) / len(bits), 2) for bit, name in CLOCK_EVENT_REASONS.items()}
     return {"sm_mhz": statistics.median(mhz), "power_w": round(statistics.median(watts), 1),
-            "reasons": [name for bit, name in CLOCK_EVENT_REASONS.items() if reasons & bit], "samples": len(mhz)}
+            "reasons": {name: share for name, share in shares.items() if share > 0}, "samples": len(mhz)}
 
 
 class ClockSampler:
@@ -283,7 +286,8 @@ def main():
         rows.append(row)
         acc = row.get("accuracy") or {}
         clk = row.get("clocks") or {}
-        clk_text = f"{clk['sm_mhz']:.0f} MHz {clk['power_w']:.0f} W {'+'.join(clk['reasons'])}" if clk else ""
+        clk_text = (f"{clk['sm_mhz']:.0f} MHz {clk['power_w']:.0f} W "
+                    + " ".join(f"{name} {share:.0%}" for name, share in clk["reasons"].items())) if clk else ""
         print(f"{row['shape']:16s} {row['method']:28s} {row.get('ms', float('nan')):9.3f} ms "
               f"{row.get('tflops', float('nan')):7.1f} TFLOP/s x{row.get('speedup', float('nan')):5.2f} "
               f"cos {acc.get('cos', float('nan')):.6f} l1 {acc.get('rel_l1', float('nan')):.4f} "

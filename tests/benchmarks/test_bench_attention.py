@@ -26,11 +26,12 @@ def test_kernel_times_are_per_call_summed_over_launches_and_skip_host_events():
     assert list(times) == ["forward", "sort_pass"]  # largest first
 
 
-def test_clock_samples_give_medians_and_the_union_of_reasons_and_skip_unreadable_lines():
+def test_clock_samples_give_medians_and_each_reasons_share_and_skip_unreadable_lines():
     lines = ["1515, 637.2, 0x0000000000000004\n", "[N/A], [N/A], [N/A]\n", "\n",
-             "1980, 100.0, 0x0000000000000001\n", "1600, 640, 0x0\n"]
+             "1980, 100.0, 0x0000000000000001\n", "1600, 640, 0x0\n", "1510, 650, 0x0000000000000024\n"]
     summary = bench_attention.summarise_clock_samples(lines)
-    assert summary == {"sm_mhz": 1600.0, "power_w": 637.2, "reasons": ["gpu_idle", "sw_power_cap"], "samples": 3}
+    assert summary == {"sm_mhz": 1557.5, "power_w": 638.6,
+                       "reasons": {"gpu_idle": 0.25, "sw_power_cap": 0.5, "sw_thermal": 0.25}, "samples": 4}
     assert bench_attention.summarise_clock_samples(["No devices were found\n"]) is None
 
 
@@ -51,7 +52,7 @@ def test_clock_sampler_opens_its_window_before_the_work_and_asks_for_the_visible
     with bench_attention.ClockSampler(period_ms=10) as clocks:
         seen_at_start = len(clocks._lines)
     assert seen_at_start >= 1
-    assert clocks.summary["sm_mhz"] == 1515.0 and clocks.summary["reasons"] == ["sw_power_cap"]
+    assert clocks.summary["sm_mhz"] == 1515.0 and clocks.summary["reasons"] == {"sw_power_cap": 1.0}
     assert (tmp_path / "args").read_text().split()[:2] == ["-i", "5"]
 
 
