@@ -1,0 +1,51 @@
+"""The two recipe passes that promise PyTorch's rounding keep it when compiled for sm_90a.
+
+Triton's interpreter computes every float32 operation correctly rounded and fuses nothing, so the
+CPU tests of these passes cannot see what the compiler does to them. On a GPU two things did
+(NOTES v46): with FP fusion, the query/key rotation's products, rounded to bf16 on their way into
+the sum as eager rounds them, became bf16 FMAs (one rounding for three; a quarter of the outputs
+a step off eager's), and the feed-forward pass's ``448 / amax`` compiled to an approximate
+division (0.4-0.6 % of its e4m3 values a step off). Here each release compiles both passes for
+sm_90a in a subprocess (as the compile matrix does; no GPU needed) and the PTX is read.
+"""
+
+import json
+
+import pytest
+from triton_releases import RELEASES, run
+
+pytestmark = pytest.mark.slow  # ~15 s of compiling per release on one core
+
+# Builds, in order: the feed-forward pass; the rotation with bf16 angles, then with float32 angles.
+BUILD = r"""
+import json, sys
+import torch
+sys.path.insert(0, "benchmarks")
+import compile_check
+from fsattn_diffusers.kernels import gelu_fp8, qk_norm_rope
+
+heads, head_dim = 4, 64
+n = heads * head_dim
+qkv = torch.empty(1, 8, 3 * n, dtype=torch.bfloat16)
+weight = torch.empty(n, dtype=torch.bfloat16)
+with compile_check.sm90_builds() as builds:
+    gelu_fp8.gelu_tanh_fp8_rows(torch.empty(64, 600, dtype=torch.bfloat16))
+    for dtype in (torch.bfloat16, torch.float32):
+        freqs = torch.empty(1, 8, 1, head_dim, dtype=dtype)
+        qk_norm_rope.launch(qkv[..., :n], qkv[..., n:2 * n], weight, weight, 1e-6, freqs, freqs, heads)
+print(json.dumps([build.compiled.asm["ptx"] for build in builds]))
+"""
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_products_round_as_eager_and_the_fp8_scales_divide_exactly(version):
+    done = run(version, ["-c", BUILD], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    gelu, rope_bf16, rope_f32 = json.loads(done.stdout.strip().splitlines()[-1])
+    # The scale and its reciprocal: correctly rounded divisions, once a row.
+    assert gelu.count("div.rn.f32") == 2
+    # bf16 angles: each product and each sum rounded to bf16 on its own, no fused bf16 FMA.
+    assert "fma.rn.bf16" not in rope_bf16 and "mul.rn.bf16" in rope_bf16
+    # float32 angles keep FP fusion (the rotation in float32, rounded once): the PTX shows it, so
+    # the check above can tell a fused build from an unfused one.
+    assert "fma.rn.f32" in rope_f32
