@@ -87,26 +87,40 @@ def environment():
         info["gpu"] = torch.cuda.get_device_name()
         info["capability"] = list(torch.cuda.get_device_capability())
         try:
-            info["driver"], info["power_limit_w"], info["max_sm_mhz"] = (
-                f.strip() for f in subprocess.run(
-                    ["nvidia-smi", "-i", ClockSampler()._gpu_index(), "--format=csv,noheader,nounits",
-                     "--query-gpu=driver_version,power.limit,clocks.max.sm"],
-                    capture_output=True, text=True).stdout.split(","))
-        except (OSError, ValueError):
-            info["driver"] = None
+            fields = [f.strip() for f in subprocess.run(
+                ["nvidia-smi", "-i", gpu_for_nvidia_smi(), "--format=csv,noheader,nounits",
+                 "--query-gpu=driver_version,power.limit,clocks.max.sm"],
+                capture_output=True, text=True).stdout.split(",")]
+        except OSError:
+            fields = []
+        info["driver"] = fields[0] if fields and fields[0] else None
+        for i, (key, cast) in enumerate((("power_limit_w", float), ("max_sm_mhz", int)), start=1):
+            try:
+                info[key] = cast(float(fields[i]))
+            except (IndexError, ValueError):  # absent, or "[N/A]"
+                info[key] = None
     return info
 
 
 # nvidia-smi's clock-event ("throttle") reason bits, by the names its documentation gives them.
 CLOCK_EVENT_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
-                       0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks"}
+                       0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+                       0x100: "display_clocks"}
+
+
+def gpu_for_nvidia_smi():
+    """The current CUDA device as nvidia-smi's ``-i`` takes it: by UUID, since CUDA's device order
+    (fastest first, and only those CUDA_VISIBLE_DEVICES lets through) need not be nvidia-smi's."""
+    current = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(current), "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else str(current)
 
 
 def summarise_clock_samples(lines):
     """Median SM clock (MHz) and board power (W) of nvidia-smi lines "MHz, W, 0xREASONS"
     (``--format=csv,noheader,nounits``), and the share of them that carried each clock-event
-    reason; None if no line parses. Shares, not a union: a reason seen in one sample at the window's
-    edge says little about the row."""
+    reason (those seen at all); None if no line parses. Shares, not a union: a reason in one
+    sample says little about the row. nvidia-smi's power.draw is a one-second average."""
     mhz, watts, bits = [], [], []
     for line in lines:
         fields = [f.strip() for f in line.split(",")]
@@ -119,9 +133,9 @@ def summarise_clock_samples(lines):
         bits.append(reasons)
     if not mhz:
         return None
-    shares = {name: round(sum(1 for b in bits if b & bit) / len(bits), 2) for bit, name in CLOCK_EVENT_REASONS.items()}
+    seen = {name: sum(1 for b in bits if b & bit) for bit, name in CLOCK_EVENT_REASONS.items()}
     return {"sm_mhz": statistics.median(mhz), "power_w": round(statistics.median(watts), 1),
-            "reasons": {name: share for name, share in shares.items() if share > 0}, "samples": len(mhz)}
+            "reasons": {name: round(n / len(bits), 3) for name, n in seen.items() if n}, "samples": len(mhz)}
 
 
 class ClockSampler:
@@ -135,16 +149,10 @@ class ClockSampler:
         self._lines = []
         self._proc = None
 
-    def _gpu_index(self):
-        # nvidia-smi numbers every GPU of the host; CUDA numbers those CUDA_VISIBLE_DEVICES lets through.
-        current = torch.cuda.current_device()
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        return visible[current] if current < len(visible) else str(current)
-
     def __enter__(self):
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "-i", self._gpu_index(), "--format=csv,noheader,nounits", "-lms", str(self.period_ms),
+                ["nvidia-smi", "-i", gpu_for_nvidia_smi(), "--format=csv,noheader,nounits", "-lms", str(self.period_ms),
                  "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
@@ -160,14 +168,20 @@ class ClockSampler:
         self._reader = threading.Thread(target=read, daemon=True)
         self._reader.start()
         first.wait(timeout=5.0)  # nvidia-smi takes a moment to start: let the window open before the work
+        self._start = len(self._lines)  # what came before the work is not the work's
         return self
 
     def __exit__(self, *exc):
         if self._proc is not None:
             self._proc.terminate()
-            self._proc.wait()
+            try:
+                self._proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
             self._reader.join(timeout=5.0)
-        self.summary = summarise_clock_samples(self._lines)
+            self._proc.stdout.close()
+            self.summary = summarise_clock_samples(self._lines[self._start:])
         return False
 
 

@@ -83,7 +83,7 @@ def _gelu_tanh_fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, x_stride, q_stri
     # Both divisions correctly rounded, as PyTorch's are: Triton's "/" compiles to an approximate
     # division (div.full.f32, up to 2 ulp), and a reciprocal a bit off moves a share of y / scale
     # that sits on a tie between two e4m3 values (y and amax are both bf16) to the other side:
-    # 0.4-0.6 % of the values a step off torchao's on a GPU (NOTES v46). Once a row: free.
+    # 0.4-0.6 % of the values a step off the exact quotient's on an H100 (NOTES v46). Once a row.
     scale = tl.math.div_rn(amax, 448.0)
     inv_scale = tl.where(amax > 0, tl.math.div_rn(448.0, tl.maximum(amax, 1e-30)), 0.0)
     _store_part(q_ptr, row, q_stride, y_a, inv_scale, 0, n_cols, PART_A, SOFT_ROUND)

@@ -16,8 +16,9 @@ An argument of any other type is not keyed: that call, and every call with it, t
 The first call of each key also takes Triton's path, so compilation, its errors and the disk
 cache are Triton's own; only calls on CUDA tensors are remembered (the interpreter and
 ahead-of-time compilation, which launch nothing, always take Triton's path). Triton's path is
-given two things the caller does not pass: FP fusion, stated (configs.FP_FUSION), and under
-Triton 3.9 on sm_90 the ptxas of :mod:`.toolchain` with its PTX version.
+given two things: FP fusion, stated (configs.FP_FUSION, unless the caller passes
+``enable_fp_fusion``, which is then keyed as every keyword is), and under Triton 3.9 on sm_90 the
+ptxas of :mod:`.toolchain` with its PTX version.
 """
 
 from __future__ import annotations
@@ -149,9 +150,9 @@ class Relaunch:
 
     def _triton_launch(self, grid, args, meta):
         """Triton's own path, which compiles on a first launch: with FP fusion stated (its default
-        turns off in Triton 3.10; configs.FP_FUSION) and the ptxas that
-        :func:`.toolchain.building_with_sm90_ptxas` picks. Neither enters the key: a kernel once
-        compiled keeps what it was built with for the rest of the process."""
+        turns off in Triton 3.10; configs.FP_FUSION where the caller's `meta` does not say) and
+        the ptxas that :func:`.toolchain.building_with_sm90_ptxas` picks. Neither default enters
+        the key: a kernel once compiled keeps what it was built with for the rest of the process."""
         with building_with_sm90_ptxas() as options:
             return self.fn[grid](*args, **{"enable_fp_fusion": FP_FUSION, **options, **meta})
 

@@ -149,10 +149,10 @@ def launch(query, key, weight_q, weight_k, eps: float, freqs_cos, freqs_sin, hea
     # Two warps for rows of up to 16 heads of 128, four above (NOTES v28 (d): 0.148 against 0.206
     # ms at Wan2.1-1.3B's 12 heads, 0.873 against 0.919 at Wan2.1-14B's 40).
     num_warps = 2 if n <= 2048 else 4
-    # With angles in the model's dtype eager rounds each product before the sum. Compiled with FP
-    # fusion, the round trip through bf16 folds into a bf16 multiply that ptxas fuses with the sum
-    # (fma.rn.bf16: one rounding, not three), and a quarter of the outputs land a step or more off
-    # eager's on a GPU (found by the dual-device test, NOTES v46): fusion stays off there.
+    # With angles in the model's dtype eager rounds each product and each sum to it. Compiled with
+    # FP fusion, LLVM folds one product's round trip through bf16 and the sum into one fma.rn.bf16
+    # (two roundings where eager has three), and on an H100 a quarter of the outputs were a step
+    # or more off eager's (NOTES v46): that build compiles without FP fusion.
     round_products = cos.dtype != torch.float32
     _LAUNCH[(s, b, 2)](query, key, query.stride(0), query.stride(1), key.stride(0), key.stride(1), weight_q, weight_k,
                        cos, sin, cos.stride(0), q_out, k_out, s, float(eps), H=heads, D=d, H0=h0, H1=h1,

@@ -2,8 +2,10 @@
 
 import os
 import sys
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -32,6 +34,9 @@ def test_clock_samples_give_medians_and_each_reasons_share_and_skip_unreadable_l
     summary = bench_attention.summarise_clock_samples(lines)
     assert summary == {"sm_mhz": 1557.5, "power_w": 638.6,
                        "reasons": {"gpu_idle": 0.25, "sw_power_cap": 0.5, "sw_thermal": 0.25}, "samples": 4}
+    # A reason in one sample of many is kept, not rounded away.
+    rare = bench_attention.summarise_clock_samples(["1980, 100, 0x0\n"] * 999 + ["1980, 100, 0x10\n"])
+    assert rare["reasons"] == {"sync_boost": 0.001}
     assert bench_attention.summarise_clock_samples(["No devices were found\n"]) is None
 
 
@@ -42,23 +47,33 @@ def _fake_nvidia_smi(tmp_path, monkeypatch, body):
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_clock_sampler_opens_its_window_before_the_work_and_asks_for_the_visible_gpu(tmp_path, monkeypatch):
-    # A slow-starting nvidia-smi that samples every 10 ms: the block must not begin before the first
-    # sample, and the GPU asked for is the host's index of CUDA's current device.
+def test_clock_sampler_opens_its_window_before_the_work_and_asks_for_the_current_gpu(tmp_path, monkeypatch):
+    # A slow-starting nvidia-smi whose first sample reads idle, then samples under load every 10 ms:
+    # the block must not begin before the first sample, and that sample is not the block's. The
+    # GPU asked for is CUDA's current device, by UUID.
     _fake_nvidia_smi(tmp_path, monkeypatch, f'echo "$@" > {tmp_path}/args\nsleep 0.3\n'
+                     'echo "1980, 80.0, 0x0000000000000001"\nsleep 0.05\n'
                      'while true; do echo "1515, 637.2, 0x0000000000000004"; sleep 0.01; done\n')
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(uuid=f"uuid-of-{index}"))
     with bench_attention.ClockSampler(period_ms=10) as clocks:
         seen_at_start = len(clocks._lines)
+        time.sleep(0.2)
     assert seen_at_start >= 1
     assert clocks.summary["sm_mhz"] == 1515.0 and clocks.summary["reasons"] == {"sw_power_cap": 1.0}
-    assert (tmp_path / "args").read_text().split()[:2] == ["-i", "5"]
+    assert (tmp_path / "args").read_text().split()[:2] == ["-i", "GPU-uuid-of-1"]
 
 
-def test_clock_sampler_without_nvidia_smi_gives_no_summary(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here
+@pytest.mark.parametrize("nvidia_smi", ["absent", "failing"])
+def test_clock_sampler_without_a_working_nvidia_smi_gives_no_summary_at_once(tmp_path, monkeypatch, nvidia_smi):
+    if nvidia_smi == "absent":
+        monkeypatch.setenv("PATH", str(tmp_path))
+    else:
+        _fake_nvidia_smi(tmp_path, monkeypatch, 'echo "No devices were found"\nexit 6\n')
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid="x"))
+    started = time.monotonic()
     with bench_attention.ClockSampler() as clocks:
         pass
-    assert clocks.summary is None
+    assert clocks.summary is None and time.monotonic() - started < 2.0

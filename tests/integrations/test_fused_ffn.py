@@ -16,13 +16,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from fsattn_diffusers import apply_recipe, fused_ffn, ops, recipe_summary, remove_recipe
-from fsattn_diffusers.kernels.lowp import IN_INTERPRETER
+
+from interpreter_only import requires_interpreter, skip_without_interpreter
 
 from .conftest import BUILDERS, build_wan_pipeline, cosine, run
-
-# CPU tensors reach the kernel only through Triton's interpreter, which tests/conftest.py turns on
-# where there is no GPU; with a GPU the kernel is compiled and the GPU test below runs it.
-NO_INTERPRETER = "Triton's interpreter is off where a GPU is (tests/conftest.py); the GPU test covers the kernel"
 
 FP8 = torch.float8_e4m3fn
 
@@ -69,8 +66,8 @@ def _independent_fp8_ffn(ff, x):
     ("emulation", {"bias": False}), ("emulation", {"final_dropout": True, "dropout": 0.1}),
 ])
 def test_fused_feed_forward_computes_the_fp8_feed_forward(fp8_on_cpu, monkeypatch, cpu_path, layout):
-    if cpu_path == "interpreter" and not IN_INTERPRETER:
-        pytest.skip(NO_INTERPRETER)
+    if cpu_path == "interpreter":
+        skip_without_interpreter()
     monkeypatch.setattr(ops, "CPU_PATH", cpu_path)
     ff = _fp8_feed_forward(**layout)
     x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -87,7 +84,7 @@ def test_fused_feed_forward_computes_the_fp8_feed_forward(fp8_on_cpu, monkeypatc
     assert cosine(fused, unfused) > 0.9999
 
 
-@pytest.mark.skipif(not IN_INTERPRETER, reason=NO_INTERPRETER)
+@requires_interpreter
 def test_kernel_and_cpu_emulation_give_the_same_fp8_rows(monkeypatch):
     h = (torch.randn(5, 300, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
     monkeypatch.setattr(ops, "CPU_PATH", "emulation")
@@ -100,8 +97,8 @@ def test_kernel_and_cpu_emulation_give_the_same_fp8_rows(monkeypatch):
 
 @pytest.mark.parametrize("cpu_path", ["emulation", "interpreter"])
 def test_a_nan_in_the_hidden_makes_its_row_nan_as_torchao_does(fp8_on_cpu, monkeypatch, cpu_path):
-    if cpu_path == "interpreter" and not IN_INTERPRETER:
-        pytest.skip(NO_INTERPRETER)
+    if cpu_path == "interpreter":
+        skip_without_interpreter()
     monkeypatch.setattr(ops, "CPU_PATH", cpu_path)
     ff = _fp8_feed_forward()
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)

@@ -13,7 +13,7 @@ import torch
 import fsattn_diffusers
 from fsattn_diffusers import apply_recipe, fused_norm_rope, ops, recipe_summary, remove_recipe
 from fsattn_diffusers.families import attention_modules
-from fsattn_diffusers.kernels.lowp import IN_INTERPRETER
+from interpreter_only import requires_interpreter
 
 from .conftest import BUILDERS, build_wan_pipeline, emulation_calls, run, run_wan_pipeline
 
@@ -84,7 +84,7 @@ def test_fsattn_routes_the_fused_processors_attention(monkeypatch):
     assert emulation_calls() == unfused_calls > 0
 
 
-@pytest.mark.skipif(not IN_INTERPRETER, reason="Triton's interpreter is off where a GPU is (tests/conftest.py)")
+@requires_interpreter
 def test_the_op_runs_the_pass_in_the_interpreter(monkeypatch):
     from fsattn_diffusers.kernels import qk_norm_rope as kernel
 

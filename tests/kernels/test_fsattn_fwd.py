@@ -15,21 +15,17 @@ from fsattn_diffusers.metrics import relative_l1 as rel_l1
 from fsattn_diffusers import FSAttnConfig, fsattn, reset_stats, stats
 from fsattn_diffusers import ops as fsattn_ops
 from input_families import ADDITIVE_MASKED_VALUES, INPUT_FAMILIES, as_additive_mask, make_family
-from fsattn_diffusers.kernels.lowp import IN_INTERPRETER
+from interpreter_only import skip_without_interpreter
 from fsattn_diffusers.reference import attention_reference, emulate_fsattn
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-# CPU tensors reach the kernels only through Triton's interpreter, which tests/conftest.py turns on
-# where there is no GPU; with a GPU the kernels are compiled and the gpu-marked tests run them.
-NO_INTERPRETER = "Triton's interpreter is off where a GPU is (tests/conftest.py); the gpu tests cover the kernels"
 
 
 @pytest.fixture
 def kernel_path(monkeypatch):
     """Run fsattn's Triton kernels (the interpreter on CPU) instead of the CPU emulation."""
-    if not IN_INTERPRETER:
-        pytest.skip(NO_INTERPRETER)
+    skip_without_interpreter()
     monkeypatch.setattr(fsattn_ops, "CPU_PATH", "interpreter")
     reset_stats()
 
@@ -202,8 +198,8 @@ def test_masked_key_values_change_nothing(monkeypatch, path, garbage):
     # Masked keys must not widen V's FP8 grid: a padding token of large value (HunyuanVideo pads
     # its prompt) would otherwise coarsen every attended key's V (found by the Gluon kernel's GPU
     # test). Nor may an inf or NaN there reach the K and V means (0 * inf is NaN).
-    if path == "interpreter" and not IN_INTERPRETER:
-        pytest.skip(NO_INTERPRETER)
+    if path == "interpreter":
+        skip_without_interpreter()
     monkeypatch.setattr(fsattn_ops, "CPU_PATH", path)
     gen = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(2, s, 2, 64, generator=gen) for s in (40, 150, 150))

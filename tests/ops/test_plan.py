@@ -9,6 +9,7 @@ import torch
 from fsattn_diffusers import FSAttnConfig
 from fsattn_diffusers import ops
 from fsattn_diffusers import plan as planning
+from interpreter_only import skip_without_interpreter
 
 HOPPER = (9, 0)
 
@@ -208,6 +209,8 @@ def _pretend_hopper(monkeypatch, gluon):
     quantisation kernels run in Triton's interpreter."""
     from fsattn_diffusers.kernels import fsattn_fwd as fwd
 
+    skip_without_interpreter()
+
     triton_calls = []
     monkeypatch.setattr(planning, "gluon_module", lambda name: gluon)
     monkeypatch.setattr(ops, "target_of", lambda device: HOPPER)
@@ -228,6 +231,7 @@ def _gluon_ws(launch):
 
 
 def _run(config, head_dim=64, seq=100):
+    skip_without_interpreter()
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, seq, 2, head_dim, generator=gen) for _ in range(3))
     weight = (torch.rand(1, seq, generator=gen) > 0.2).float()

@@ -12,15 +12,18 @@ import torch
 from fsattn_diffusers import FSAttnConfig, ops
 from fsattn_diffusers.attention import key_mask
 from fsattn_diffusers.plan import INTERPRETER
+from interpreter_only import skip_without_interpreter
 
 CONFIG = FSAttnConfig().to_json()
 
 
 @pytest.fixture(autouse=True)
 def fresh_calls(monkeypatch, request):
-    """No call prepared yet; on the CPU, the interpreter's tiles."""
+    """No call prepared yet; on the CPU, the interpreter's tiles (the tests not marked gpu run the
+    kernels on CPU tensors, in the interpreter)."""
     monkeypatch.setattr(ops, "_prepared_calls", {})
     if request.node.get_closest_marker("gpu") is None:
+        skip_without_interpreter()
         monkeypatch.setattr(ops, "target_of", lambda device: INTERPRETER)
 
 
