@@ -87,13 +87,15 @@ def environment():
         info["gpu"] = torch.cuda.get_device_name()
         info["capability"] = list(torch.cuda.get_device_capability())
         try:
-            fields = [f.strip() for f in subprocess.run(
-                ["nvidia-smi", "-i", gpu_for_nvidia_smi(), "--format=csv,noheader,nounits",
-                 "--query-gpu=driver_version,power.limit,clocks.max.sm"],
-                capture_output=True, text=True).stdout.split(",")]
-        except OSError:
+            done = subprocess.run(["nvidia-smi", "-i", gpu_for_nvidia_smi(), "--format=csv,noheader,nounits",
+                                   "--query-gpu=driver_version,power.limit,clocks.max.sm"],
+                                  capture_output=True, text=True, timeout=30)
+            fields = [f.strip() for f in done.stdout.split(",")] if done.returncode == 0 else []
+        except (OSError, subprocess.TimeoutExpired):
             fields = []
-        info["driver"] = fields[0] if fields and fields[0] else None
+        if len(fields) != 3:  # an error message, not the three values
+            fields = []
+        info["driver"] = fields[0] if fields else None
         for i, (key, cast) in enumerate((("power_limit_w", float), ("max_sm_mhz", int)), start=1):
             try:
                 info[key] = cast(float(fields[i]))
@@ -180,7 +182,8 @@ class ClockSampler:
                 self._proc.kill()
                 self._proc.wait()
             self._reader.join(timeout=5.0)
-            self._proc.stdout.close()
+            if not self._reader.is_alive():  # else closing would wait on the reader's lock
+                self._proc.stdout.close()
             self.summary = summarise_clock_samples(self._lines[self._start:])
         return False
 

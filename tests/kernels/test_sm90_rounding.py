@@ -3,8 +3,8 @@
 Triton's interpreter computes every float32 operation correctly rounded and fuses nothing, so the
 CPU tests of these passes cannot see what the compiler does to them. On an H100 two things showed
 (NOTES v46): with FP fusion, the query/key rotation's products, rounded to bf16 on their way into
-the sum as eager rounds them, became bf16 FMAs (two roundings for eager's three; a quarter of the
-outputs a step off eager's), and the feed-forward pass's ``448 / amax`` compiled to an approximate
+the sum as eager rounds them, went into bf16 FMAs (one product of each output fused with the sum:
+two roundings for eager's three; a quarter of the outputs one to three steps off eager's), and the feed-forward pass's ``448 / amax`` compiled to an approximate
 division (0.4-0.6 % of its e4m3 values a step off the exact quotient's). Here each release compiles both passes for
 sm_90a in a subprocess (as the compile matrix does; no GPU needed) and the PTX is read.
 """

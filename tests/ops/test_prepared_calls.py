@@ -19,8 +19,9 @@ CONFIG = FSAttnConfig().to_json()
 
 @pytest.fixture(autouse=True)
 def fresh_calls(monkeypatch, request):
-    """No call prepared yet; on the CPU, the interpreter's tiles (the tests not marked gpu run the
-    kernels on CPU tensors, in the interpreter)."""
+    """No call prepared yet; on the CPU, the interpreter's tiles. Most tests not marked gpu run the
+    kernels on CPU tensors, in the interpreter: where it is off (a GPU machine) all of those skip,
+    the few that launch nothing with them."""
     monkeypatch.setattr(ops, "_prepared_calls", {})
     if request.node.get_closest_marker("gpu") is None:
         skip_without_interpreter()
