@@ -253,15 +253,16 @@ def build_gelu_fp8(n_cols):
     return builds
 
 
-def build_qk_norm_rope(heads, head_dim=128):
+def build_qk_norm_rope(heads, head_dim=128, freqs_dtype=torch.float32):
     """The build of the recipe's query/key RMSNorm + RoPE pass
     (``fsattn_diffusers.kernels.qk_norm_rope``) for rows of `heads` heads, the query and key as
-    views of a fused QKV projection's output."""
+    views of a fused QKV projection's output, the angles in `freqs_dtype` (float32, or the
+    model's dtype where the model was cast: another build)."""
     from fsattn_diffusers.kernels import qk_norm_rope
 
     n = heads * head_dim
     qkv = torch.empty(1, 64, 3 * n, dtype=torch.bfloat16)
-    freqs = torch.empty(1, 64, 1, head_dim, dtype=torch.float32)
+    freqs = torch.empty(1, 64, 1, head_dim, dtype=freqs_dtype)
     weight = torch.empty(n, dtype=torch.bfloat16)
     with sm90_builds() as builds:
         qk_norm_rope.qk_norm_rope(qkv[..., :n], qkv[..., n:2 * n], weight, weight, 1e-6, freqs, freqs, heads)

@@ -1,9 +1,10 @@
 """The query/key RMSNorm + RoPE pass against diffusers' own code (``WanAttnProcessor``'s norm and rotation).
 
 On CPU the kernel runs in Triton's interpreter (tests/conftest.py), rounding to bf16 by the soft
-rounding of fsattn_diffusers/kernels/lowp.py. The pass and PyTorch sum each row's squares in different orders (and
-on a GPU, with float32 angles, the pass may fuse a product into the rotation's subtraction), so a normalised value may
-land on the neighbouring bf16 step before the rotation. The rotation carries that step into both
+rounding of fsattn_diffusers/kernels/lowp.py. The pass and PyTorch sum each row's squares in
+different orders (and on a GPU, with float32 angles, the pass may fuse a product into the
+rotation's subtraction), so a normalised value may land on the neighbouring bf16 step before the
+rotation. The rotation carries that step into both
 outputs of the pair at the size of the pair, not of each output: where x1 cos - x2 sin nearly
 cancels, one step of x1 is many steps of the result. So an output may differ from PyTorch's by a
 few steps of its pair's norm (the rotation keeps the norm), and nearly every value is equal. (The

@@ -4,9 +4,11 @@ Triton's interpreter computes every float32 operation correctly rounded and fuse
 CPU tests of these passes cannot see what the compiler does to them. On an H100 two things showed
 (NOTES v46): with FP fusion, the query/key rotation's products, rounded to bf16 on their way into
 the sum as eager rounds them, went into bf16 FMAs (one product of each output fused with the sum:
-two roundings for eager's three; a quarter of the outputs one to three steps off eager's), and the feed-forward pass's ``448 / amax`` compiled to an approximate
-division (0.4-0.6 % of its e4m3 values a step off the exact quotient's). Here each release compiles both passes for
-sm_90a in a subprocess (as the compile matrix does; no GPU needed) and the PTX is read.
+two roundings for eager's three; a quarter of the outputs one to three steps off eager's), and
+the feed-forward pass's ``448 / amax`` compiled to an approximate division (0.4-0.6 % of its e4m3
+values a step off the exact quotient's). Here each release compiles both passes for sm_90a in a
+subprocess with benchmarks/compile_check.py's builders (as the compile matrix does; no GPU
+needed) and the PTX is read.
 """
 
 import json
@@ -21,18 +23,10 @@ BUILD = r"""
 import json, sys
 import torch
 sys.path.insert(0, "benchmarks")
-import compile_check
-from fsattn_diffusers.kernels import gelu_fp8, qk_norm_rope
+import compile_check as cc
 
-heads, head_dim = 4, 64
-n = heads * head_dim
-qkv = torch.empty(1, 8, 3 * n, dtype=torch.bfloat16)
-weight = torch.empty(n, dtype=torch.bfloat16)
-with compile_check.sm90_builds() as builds:
-    gelu_fp8.gelu_tanh_fp8_rows(torch.empty(64, 600, dtype=torch.bfloat16))
-    for dtype in (torch.bfloat16, torch.float32):
-        freqs = torch.empty(1, 8, 1, head_dim, dtype=dtype)
-        qk_norm_rope.launch(qkv[..., :n], qkv[..., n:2 * n], weight, weight, 1e-6, freqs, freqs, heads)
+builds = (cc.build_gelu_fp8(600) + cc.build_qk_norm_rope(4, 64, torch.bfloat16)
+          + cc.build_qk_norm_rope(4, 64, torch.float32))
 print(json.dumps([build.compiled.asm["ptx"] for build in builds]))
 """
 
