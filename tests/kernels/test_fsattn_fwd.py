@@ -2,7 +2,8 @@
 
 On CPU the kernels run in Triton's interpreter at tiny shapes and tiles (the interpreter's float
 conversions are made exact by fsattn_diffusers/kernels/lowp.py, so kernel and emulation agree to rounding). On a
-GPU the same checks run at real lengths, on every input family of docs/design.md §4.1.
+GPU the same checks run at real lengths, on every input family of docs/design.md §4.1; the checks of
+shapes, layouts, lengths and masked keys that need no emulation at the CPU's tiles run on either device.
 """
 
 import math
@@ -28,6 +29,17 @@ def kernel_path(monkeypatch):
     skip_without_interpreter()
     monkeypatch.setattr(fsattn_ops, "CPU_PATH", "interpreter")
     reset_stats()
+
+
+@pytest.fixture
+def kernel_device(monkeypatch):
+    """The device whose kernels a test runs: the GPU's compiled ones where there is a GPU, else the
+    interpreter's on CPU. For the checks that hold on either (no emulation at the CPU's tiny tiles)."""
+    if GPU:
+        return DEVICE
+    skip_without_interpreter()
+    monkeypatch.setattr(fsattn_ops, "CPU_PATH", "interpreter")
+    return "cpu"
 
 
 def _emulate(q, k, v, mask, cfg, layout="NHD", scale=None):
@@ -94,9 +106,10 @@ def test_sorted_keys_kernel_matches_emulation(kernel_path, family):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_head_dims_and_layouts(kernel_path, head_dim, layout):
+def test_head_dims_and_layouts(kernel_device, head_dim, layout):
     gen = torch.Generator().manual_seed(head_dim)
-    q, k, v, _ = make_family("randn", 2, 37, 45, 2, head_dim, dtype=torch.bfloat16, generator=gen)
+    q, k, v, _ = make_family("randn", 2, 37, 45, 2, head_dim, dtype=torch.bfloat16, device=kernel_device,
+                             generator=gen)
     if layout == "HND":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     out = fsattn(q, k, v, layout=layout)
@@ -107,10 +120,10 @@ def test_head_dims_and_layouts(kernel_path, head_dim, layout):
     assert cosine(outb, ref) > 0.998 and rel_l1(outb, ref) < 0.06
 
 
-def test_strided_views_need_no_copy(kernel_path):
+def test_strided_views_need_no_copy(kernel_device):
     # q, k, v as diffusers gets them: slices of one fused projection, then a view to heads.
     gen = torch.Generator().manual_seed(3)
-    qkv = torch.randn(1, 50, 3 * 2 * 64, generator=gen)
+    qkv = torch.randn(1, 50, 3 * 2 * 64, generator=gen).to(kernel_device)
     q, k, v = (t.unflatten(-1, (2, 64)) for t in qkv.chunk(3, dim=-1))
     assert not q.is_contiguous()
     out = fsattn(q, k, v)
@@ -119,18 +132,20 @@ def test_strided_views_need_no_copy(kernel_path):
 
 
 @pytest.mark.parametrize("seq_q,seq_k", [(1, 1), (1, 77), (33, 1), (5, 123), (123, 5)])
-def test_odd_lengths_and_cross_attention(kernel_path, seq_q, seq_k):
+def test_odd_lengths_and_cross_attention(kernel_device, seq_q, seq_k):
     gen = torch.Generator().manual_seed(seq_q * 1000 + seq_k)
-    q, k, v, _ = make_family("randn", 1, seq_q, seq_k, 2, 64, dtype=torch.float16, generator=gen)
+    q, k, v, _ = make_family("randn", 1, seq_q, seq_k, 2, 64, dtype=torch.float16, device=kernel_device,
+                             generator=gen)
     out = fsattn(q, k, v)
     ref, _ = attention_reference(q, k, v)
     assert torch.isfinite(out).all()
     assert cosine(out, ref) > 0.998
 
 
-def test_grouped_query_attention(kernel_path):
+def test_grouped_query_attention(kernel_device):
     gen = torch.Generator().manual_seed(4)
-    q, k, v, _ = make_family("randn", 1, 40, 70, 4, 64, dtype=torch.float32, generator=gen, kv_heads=2)
+    q, k, v, _ = make_family("randn", 1, 40, 70, 4, 64, dtype=torch.float32, device=kernel_device, generator=gen,
+                             kv_heads=2)
     out = fsattn(q, k, v)
     ref, _ = attention_reference(q, k, v)
     assert cosine(out, ref) > 0.998
@@ -166,11 +181,12 @@ def test_masks(kernel_path, family, mask_kind, policy):
 
 
 @pytest.mark.parametrize("masked_value", ADDITIVE_MASKED_VALUES)
-def test_additive_masks_mask_keys_as_bool_masks_do(kernel_path, masked_value):
+def test_additive_masks_mask_keys_as_bool_masks_do(kernel_device, masked_value):
     # Padded keys unlike the attended ones (V around 5): a float mask that left them in the K/V
     # statistics coarsened V's FP8 grid and shifted its mean (16 % relative L1 against 2.8 %).
     gen = torch.Generator().manual_seed(9)
-    q, k, v, mask = make_family("padded_keys", 2, 40, 230, 2, 64, dtype=torch.float32, generator=gen)
+    q, k, v, mask = make_family("padded_keys", 2, 40, 230, 2, 64, dtype=torch.float32, device=kernel_device,
+                                generator=gen)
     additive = as_additive_mask(mask, masked_value)
     ref, _ = attention_reference(q, k, v, mask)
     out_bool = fsattn(q, k, v, attn_mask=mask)
@@ -192,18 +208,20 @@ def test_gpu_additive_masks_within_bool_mask_error(masked_value, dtype):
     assert rel_l1(out, ref) <= 1.1 * err_bool + 1e-3, (rel_l1(out, ref), err_bool)
 
 
-@pytest.mark.parametrize("path", ["interpreter", "emulation"])
+@pytest.mark.parametrize("path", ["kernels", "emulation"])
 @pytest.mark.parametrize("garbage", ["large", "inf", "nan"])
-def test_masked_key_values_change_nothing(monkeypatch, path, garbage):
+def test_masked_key_values_change_nothing(request, monkeypatch, path, garbage):
     # Masked keys must not widen V's FP8 grid: a padding token of large value (HunyuanVideo pads
     # its prompt) would otherwise coarsen every attended key's V (found by the Gluon kernel's GPU
     # test). Nor may an inf or NaN there reach the K and V means (0 * inf is NaN).
-    if path == "interpreter":
-        skip_without_interpreter()
-    monkeypatch.setattr(fsattn_ops, "CPU_PATH", path)
+    if path == "kernels":
+        device = request.getfixturevalue("kernel_device")
+    else:
+        device = "cpu"
+        monkeypatch.setattr(fsattn_ops, "CPU_PATH", path)
     gen = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(2, s, 2, 64, generator=gen) for s in (40, 150, 150))
-    mask = torch.ones(2, 1, 1, 150, dtype=torch.bool)
+    q, k, v = (torch.randn(2, s, 2, 64, generator=gen).to(device) for s in (40, 150, 150))
+    mask = torch.ones(2, 1, 1, 150, dtype=torch.bool, device=device)
     mask[0, ..., 120:] = False
     out = fsattn(q, k, v, attn_mask=mask)
     k_bad, v_bad = k.clone(), v.clone()
