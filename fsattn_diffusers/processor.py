@@ -279,8 +279,8 @@ class FSAttnProcessor:
         """Where enable_parallelism() ran before this processor was set, the calling model holds
         the configuration that diffusers gave the processors this one replaced."""
         self._looked_for_parallel_model = True
-        owner = None if self._parallel_config is not None else _calling_model(attn)
-        parallel = getattr(owner, "_parallel_config", None)
+        found = None if self._parallel_config is not None else _calling_model(id(attn))
+        parallel = getattr(found[0] if found else None, "_parallel_config", None)
         if getattr(parallel, "context_parallel_config", None) is not None:
             self._parallel_config = parallel
 
@@ -289,7 +289,7 @@ class FSAttnProcessor:
         if own_cls is None:
             own = getattr(attn, OWN_PROCESSOR_ATTR, None)
             if own is None:
-                own = _own_processor_classes_from_calling_model(attn)
+                own = _own_processor_classes_from_calling_model(id(attn), type(attn).__name__)
             # fuse_qkv_projections() swaps a generic module's processor for its fused variant.
             own_cls = own[1] if own[1] is not None and getattr(attn, "fused_projections", False) else own[0]
         entry = self._bound.get((type(attn), own_cls, attention_kind(attn)))
@@ -344,41 +344,46 @@ class FSAttnProcessor:
 
 # torch.compile runs this once per call site while tracing and keeps the answer as a constant (a
 # module's processor class does not change while it is compiled), so fullgraph=True works without
-# an eager forward first.
+# an eager forward first. It takes the module's id, not the module: torch 2.11's dynamo passes only
+# constants to such a function (it fails on a module argument; 2.13's does not).
 @torch.compiler.assume_constant_result
-def _own_processor_classes_from_calling_model(attn):
-    """``(processor, fused processor or None)`` classes diffusers gives `attn`, for modules that do
-    not name them themselves.
+def _own_processor_classes_from_calling_model(attn_id: int, attn_class: str):
+    """``(processor, fused processor or None)`` classes diffusers gives the module whose ``id`` is
+    `attn_id`, for modules that do not name them themselves.
 
-    Finds the model running `attn` on the call stack (the nearest ``ModelMixin``), records the
+    Finds the model running that module on the call stack (the nearest ``ModelMixin``), records the
     family table's answer on each of that model's generic attention modules, and returns the one
-    for `attn`.
+    for the module.
     """
-    owner = _calling_model(attn)
-    if owner is None:
+    found = _calling_model(attn_id)
+    if found is None:
         raise RuntimeError(
-            f"FSAttnProcessor: called on a {type(attn).__name__} module outside a diffusers model's forward, so it "
+            f"FSAttnProcessor: called on a {attn_class} module outside a diffusers model's forward, so it "
             "cannot tell which processor diffusers gives that module. Use apply_fsattn(model) instead.")
+    owner, attn = found
     record_own_processor_classes(owner)
     own = getattr(attn, OWN_PROCESSOR_ATTR, None)
     if own is None:
         raise RuntimeError(
-            f"FSAttnProcessor: {type(attn).__name__} modules of {type(owner).__name__} carry no default "
+            f"FSAttnProcessor: {attn_class} modules of {type(owner).__name__} carry no default "
             "processor and the families table (fsattn_diffusers/families.py) does not say which one "
             f"{type(owner).__name__} installs, so fsattn cannot run them. Use apply_fsattn(model) instead: "
             "it keeps each module's own processor.")
     return own
 
 
-def _calling_model(attn):
-    """The nearest diffusers model on the call stack that has `attn` among its attention modules, or None."""
+def _calling_model(attn_id: int):
+    """``(model, module)``: the nearest diffusers model on the call stack that has the module whose
+    ``id`` is `attn_id` among its attention modules, and that module; or None."""
     from diffusers.models.modeling_utils import ModelMixin
 
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, ModelMixin) and any(module is attn for _, module in families.attention_modules(owner)):
-            return owner
+        if isinstance(owner, ModelMixin):
+            for _, module in families.attention_modules(owner):
+                if id(module) == attn_id:
+                    return owner, module
         frame = frame.f_back
     return None
 

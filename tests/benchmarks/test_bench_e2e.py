@@ -20,6 +20,8 @@ from unittest import mock
 import pytest
 import torch
 
+from fp8_on_cpu import lift_fp8_hardware_checks
+
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "benchmarks", "bench_e2e.py")
 # CPU-quick, on the CPU even where a GPU is present: 9 frames (3 latent frames) of 64x96, 72 tokens.
 SMALL = ["--model", "tiny", "--device", "cpu", "--height", "64", "--width", "96", "--frames", "9",
@@ -143,14 +145,8 @@ def test_attention_share_is_profiled_per_row(cli_report):
 # ----------------------------------------------------------------------------- FP8 rows
 
 def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_path):
-    # torchao's float8 GEMMs on the CPU through torch's emulated _scaled_mm (tests/integrations/test_recipe.py).
-    from fsattn_diffusers import recipe
-
-    inference = pytest.importorskip("torchao.float8.inference")
-    if not hasattr(inference, "is_MI300"):
-        pytest.skip("this torchao checks FP8 hardware some other way; the CPU stand-in does not apply")
-    monkeypatch.setattr(inference, "is_MI300", lambda: True)
-    monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)
+    # torchao's float8 GEMMs on the CPU through torch's emulated _scaled_mm.
+    lift_fp8_hardware_checks(monkeypatch)
     report = bench.main([*SMALL, "--dtype", "bf16", "--rows", "fsattn+fuse+fp8c+compile,recipe,fsattn+fp8+compile,default",
                          "--steps", "1", "--no-decode", "--out", str(tmp_path / "fp8.json")])
     rows = {r["row"]: r for r in report["rows"]}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fsattn_diffusers
-from fsattn_diffusers import recipe, routing
+from fsattn_diffusers import routing
+from fp8_on_cpu import lift_fp8_hardware_checks
 
 
 def _seeded(seed=0):
@@ -217,14 +218,8 @@ def fresh_dynamo():
 
 @pytest.fixture
 def fp8_on_cpu(monkeypatch):
-    """Let torchao's float8 linear layers run on the CPU (torchao refuses a CPU, and so does the
-    recipe's own check): torch's CPU ``_scaled_mm`` then computes the same float8 GEMMs, emulated,
-    so the recipe's FP8 path runs for real, at CPU speed."""
-    inference = pytest.importorskip("torchao.float8.inference")
-    if not hasattr(inference, "is_MI300"):
-        pytest.skip("this torchao checks FP8 hardware some other way; the CPU stand-in does not apply")
-    monkeypatch.setattr(inference, "is_MI300", lambda: True)
-    monkeypatch.setattr(recipe, "fp8_unavailable_reason", lambda device: None)
+    """torchao's float8 linear layers and the recipe's FP8 path on the CPU (tests/fp8_on_cpu.py)."""
+    lift_fp8_hardware_checks(monkeypatch)
 
 
 def emulation_calls():
