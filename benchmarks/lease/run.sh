@@ -58,6 +58,20 @@ try:
 except (OSError, subprocess.SubprocessError):
     gpus = "no nvidia-smi"
 print(f"lease: {gpus or 'no GPU'}; " + ", ".join(versions))
+# The checkout is installed without its dependencies: name those the image lacks (not carried),
+# with the test extra's (tests that need one skip or take another path).
+import importlib.metadata as md, re
+missing = []
+for req in md.requires("fsattn-diffusers") or []:
+    if "extra ==" in req and 'extra == "test"' not in req:
+        continue
+    name = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+    try:
+        md.distribution(name)
+    except md.PackageNotFoundError:
+        missing.append(name)
+if missing:
+    print("lease: dependencies missing here: " + ", ".join(dict.fromkeys(missing)))
 PY
 echo "lease: OUT=$OUT" >&2
 exec "$@"

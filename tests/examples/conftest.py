@@ -32,13 +32,29 @@ def ab_compare():
 
 
 def _read_video(path):
-    import imageio.v2 as imageio
+    # As examples/generate_video.py writes: through imageio-ffmpeg, or OpenCV where it is missing
+    # (GPU images that carry OpenCV but not ffmpeg).
+    import importlib.util
 
-    with imageio.get_reader(path, "ffmpeg") as reader:
-        return [frame for frame in reader]
+    if importlib.util.find_spec("imageio_ffmpeg") is not None:
+        import imageio.v2 as imageio
+
+        with imageio.get_reader(path, "ffmpeg") as reader:
+            return [frame for frame in reader]
+    import cv2
+
+    capture = cv2.VideoCapture(path)
+    frames = []
+    while True:
+        ok, frame = capture.read()
+        if not ok:
+            break
+        frames.append(frame[..., ::-1].copy())  # OpenCV gives BGR
+    capture.release()
+    return frames
 
 
 @pytest.fixture(scope="session")
 def read_video():
-    """The frames of an mp4 read back through imageio-ffmpeg, as a list of (H, W, 3) uint8 arrays."""
+    """The frames of an mp4 read back, as a list of (H, W, 3) uint8 RGB arrays."""
     return _read_video
