@@ -555,6 +555,10 @@ def test_compile_options_torch_compile_would_refuse_are_refused_before_anything_
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+                    reason="this torch's C++ (CPU) inductor backend ignores emulate_precision_casts: under 2.11 "
+                           "and 2.12 the compiled model drifts from eager as far with it as without (its Triton "
+                           "backend, which the recipe's GPU runs use, honours it)")
 def test_inductor_keeps_eagers_bf16_roundings_under_the_recipe():
     # Inductor (the real backend, on the CPU): without the recipe's options a fused chain of bf16
     # ops stays in float32 and the compiled model drifts from eager (~17x further on this model).
