@@ -17,6 +17,32 @@ from triton import knobs
 # Read once at import, as Triton's own reading of TRITON_INTERPRET (any of its true spellings).
 IN_INTERPRETER = bool(knobs.runtime.interpret)
 
+
+def _index_scalars_as_triton_37_does() -> None:
+    """Let Triton 3.6's interpreter run these kernels under NumPy 2.4 and later.
+
+    3.6's interpreter turns a scalar tensor used as an index or a ``tl.range`` bound into a Python
+    int by ``int()`` of its data, a one-element 1-d array, which NumPy 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"); 3.7 squeezes the array first. This
+    wraps the interpreter's tensor patch to do as 3.7 does, on 3.6 and earlier only.
+    """
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_scalar_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_scalar_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if IN_INTERPRETER and tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
+    _index_scalars_as_triton_37_does()
+
 # Globals a @triton.jit function reads must be tl.constexpr.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
