@@ -5,7 +5,8 @@ rounding overflow into the exponent (125.5 becomes 64, not 128), truncates float
 and computes ``tl.dot`` of bf16 operands as garbage. With ``SOFT_ROUND`` the value is first
 rounded to the target grid (nearest even) with integer arithmetic, so the conversion that
 follows is exact, and dots take float32 operands. On a GPU ``SOFT_ROUND`` is False and these
-are the plain hardware conversions.
+are the plain hardware conversions. Importing this module under the interpreter also lets
+Triton 3.6's interpreter index with scalar tensors under NumPy 2.4 (below).
 """
 
 from __future__ import annotations
