@@ -342,9 +342,10 @@ class FSAttnProcessor:
                         pass
 
 
-# torch.compile runs this once per call site while tracing and keeps the answer as a constant (a
-# module's processor class does not change while it is compiled), so fullgraph=True works without
-# an eager forward first. It takes the module's id, not the module: torch 2.11's dynamo passes only
+# torch.compile runs this while tracing and keeps the answer as a constant (a module's processor
+# class does not change while it is compiled), so fullgraph=True works without an eager forward
+# first; the first lookup records the answer on every generic module of the model, and later ones
+# read that instead. It takes the module's id, not the module: torch 2.11's dynamo passes only
 # constants to such a function (it fails on a module argument; 2.13's does not).
 @torch.compiler.assume_constant_result
 def _own_processor_classes_from_calling_model(attn_id: int, attn_class: str):

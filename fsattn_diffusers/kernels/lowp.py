@@ -6,10 +6,12 @@ and computes ``tl.dot`` of bf16 operands as garbage. With ``SOFT_ROUND`` the val
 rounded to the target grid (nearest even) with integer arithmetic, so the conversion that
 follows is exact, and dots take float32 operands. On a GPU ``SOFT_ROUND`` is False and these
 are the plain hardware conversions. Importing this module under the interpreter also lets
-Triton 3.6's interpreter index with scalar tensors under NumPy 2.4 (below).
+Triton 3.4-3.6's interpreters index with scalar tensors under NumPy 2.4 (below).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import triton
 import triton.language as tl
@@ -20,12 +22,14 @@ IN_INTERPRETER = bool(knobs.runtime.interpret)
 
 
 def _index_scalars_as_triton_37_does() -> None:
-    """Let Triton 3.6's interpreter run these kernels under NumPy 2.4 and later.
+    """Let Triton 3.4-3.6's interpreter run these kernels under NumPy 2.4 and later.
 
-    3.6's interpreter turns a scalar tensor used as an index or a ``tl.range`` bound into a Python
+    Those interpreters turn a scalar tensor used as an index or a ``tl.range`` bound into a Python
     int by ``int()`` of its data, a one-element 1-d array, which NumPy 2.4 refuses ("only
     0-dimensional arrays can be converted to Python scalars"); 3.7 squeezes the array first. This
-    wraps the interpreter's tensor patch to do as 3.7 does, on 3.6 and earlier only.
+    wraps the interpreter's tensor patch to do as 3.7 does. 3.6's patch takes the scope that
+    restores what it set (the shim's ``__index__`` is set after the interpreter's own, so it is
+    undone first); 3.4's and 3.5's take the tensor class alone.
     """
     from triton.runtime import interpreter
 
@@ -33,9 +37,17 @@ def _index_scalars_as_triton_37_does() -> None:
     if patch is None or getattr(patch, "squeezes_scalar_index", False):
         return
 
-    def patch_lang_tensor(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    def index(self):
+        return int(self.handle.data.squeeze())
+
+    if len(inspect.signature(patch).parameters) == 2:
+        def patch_lang_tensor(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", index)
+    else:
+        def patch_lang_tensor(tensor):
+            patch(tensor)
+            tensor.__index__ = index
 
     patch_lang_tensor.squeezes_scalar_index = True
     interpreter._patch_lang_tensor = patch_lang_tensor

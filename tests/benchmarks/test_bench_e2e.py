@@ -146,7 +146,7 @@ def test_attention_share_is_profiled_per_row(cli_report):
 
 def test_fp8_rows_run_last_on_shared_quantized_weights(bench, monkeypatch, tmp_path):
     # torchao's float8 GEMMs on the CPU through torch's emulated _scaled_mm.
-    lift_fp8_hardware_checks(monkeypatch)
+    lift_fp8_hardware_checks(monkeypatch, runs_gemms=True)
     report = bench.main([*SMALL, "--dtype", "bf16", "--rows", "fsattn+fuse+fp8c+compile,recipe,fsattn+fp8+compile,default",
                          "--steps", "1", "--no-decode", "--out", str(tmp_path / "fp8.json")])
     rows = {r["row"]: r for r in report["rows"]}

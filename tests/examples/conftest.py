@@ -44,6 +44,8 @@ def _read_video(path):
     import cv2
 
     capture = cv2.VideoCapture(path)
+    if not capture.isOpened():
+        raise OSError(f"OpenCV cannot open {path!r} (and imageio-ffmpeg is not installed)")
     frames = []
     while True:
         ok, frame = capture.read()

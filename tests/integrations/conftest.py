@@ -218,8 +218,16 @@ def fresh_dynamo():
 
 @pytest.fixture
 def fp8_on_cpu(monkeypatch):
-    """torchao's float8 linear layers and the recipe's FP8 path on the CPU (tests/fp8_on_cpu.py)."""
+    """torchao's float8 linear layers and the recipe's FP8 path on the CPU, for tests that quantize
+    and never multiply (tests/fp8_on_cpu.py)."""
     lift_fp8_hardware_checks(monkeypatch)
+
+
+@pytest.fixture
+def fp8_gemms_on_cpu(monkeypatch):
+    """As ``fp8_on_cpu``, for tests that run the float8 GEMMs: they skip where torch's CPU
+    ``_scaled_mm`` cannot stand in for them."""
+    lift_fp8_hardware_checks(monkeypatch, runs_gemms=True)
 
 
 def emulation_calls():

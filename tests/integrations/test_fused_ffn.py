@@ -65,7 +65,7 @@ def _independent_fp8_ffn(ff, x):
     ("emulation", {}), ("interpreter", {}),
     ("emulation", {"bias": False}), ("emulation", {"final_dropout": True, "dropout": 0.1}),
 ])
-def test_fused_feed_forward_computes_the_fp8_feed_forward(fp8_on_cpu, monkeypatch, cpu_path, layout):
+def test_fused_feed_forward_computes_the_fp8_feed_forward(fp8_gemms_on_cpu, monkeypatch, cpu_path, layout):
     if cpu_path == "interpreter":
         skip_without_interpreter()
     monkeypatch.setattr(ops, "CPU_PATH", cpu_path)
@@ -96,7 +96,7 @@ def test_kernel_and_cpu_emulation_give_the_same_fp8_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("cpu_path", ["emulation", "interpreter"])
-def test_a_nan_in_the_hidden_makes_its_row_nan_as_torchao_does(fp8_on_cpu, monkeypatch, cpu_path):
+def test_a_nan_in_the_hidden_makes_its_row_nan_as_torchao_does(fp8_gemms_on_cpu, monkeypatch, cpu_path):
     if cpu_path == "interpreter":
         skip_without_interpreter()
     monkeypatch.setattr(ops, "CPU_PATH", cpu_path)
@@ -136,7 +136,7 @@ def test_feed_forwards_under_sequential_offload_hooks_are_not_fused(fp8_on_cpu):
     assert fused_ffn.fuse_feed_forwards(ff) == []
 
 
-def test_training_mode_and_layers_changed_after_fusing_run_the_class_forward(fp8_on_cpu):
+def test_training_mode_and_layers_changed_after_fusing_run_the_class_forward(fp8_gemms_on_cpu):
     ff = _fp8_feed_forward()
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     with torch.no_grad():
@@ -163,7 +163,7 @@ def test_training_mode_and_layers_changed_after_fusing_run_the_class_forward(fp8
         assert torch.equal(ff(x), unfused + 1)
 
 
-def test_a_deep_copy_runs_its_own_layers(fp8_on_cpu):
+def test_a_deep_copy_runs_its_own_layers(fp8_gemms_on_cpu):
     ff = _fp8_feed_forward()
     fused_ffn.fuse_feed_forwards(ff)
     twin = copy.deepcopy(ff)
@@ -190,7 +190,7 @@ def test_a_bf16_down_projection_is_not_fused():
     ("ltx_video", ["transformer_blocks.0.ff", "transformer_blocks.1.ff"]),
     ("mochi", []),  # SwiGLU feed-forwards, and hidden widths that are not multiples of 16 stay bf16
 ])
-def test_recipe_fuses_the_fp8_gelu_feed_forwards(fp8_on_cpu, family, expected):
+def test_recipe_fuses_the_fp8_gelu_feed_forwards(fp8_gemms_on_cpu, family, expected):
     model, inputs = _bf16(family)
     # fuse_qkv=False: the second apply_recipe finds the weights in FP8 already.
     apply_recipe(model, fsattn=False, fuse_qkv=False, compile=False, fuse_ffn=False)
@@ -224,7 +224,7 @@ def test_fuse_ffn_must_be_a_bool():
         apply_recipe(model, fuse_ffn="yes")
 
 
-def test_compiled_fused_recipe_has_no_graph_break_and_matches_eager(fp8_on_cpu):
+def test_compiled_fused_recipe_has_no_graph_break_and_matches_eager(fp8_gemms_on_cpu):
     model, inputs = _bf16("wan_t2v")
     apply_recipe(model, compile=False)
     with torch.no_grad():
@@ -262,7 +262,7 @@ def test_fused_feed_forward_on_the_gpu_matches_the_definition_and_torchao():
     assert cosine(fused, unfused) > 0.9999
 
 
-def test_a_new_frame_count_recompiles_once_with_dynamic_shapes_and_matches_eager(fp8_on_cpu):
+def test_a_new_frame_count_recompiles_once_with_dynamic_shapes_and_matches_eager(fp8_gemms_on_cpu):
     model, inputs = _bf16("wan_t2v")
     longer = dict(inputs, hidden_states=torch.randn(2, 4, 5, 16, 16, generator=torch.Generator().manual_seed(5))
                   .to(torch.bfloat16))

@@ -163,7 +163,7 @@ def test_fp8_quantizes_exactly_the_selection_and_the_fused_layers(fp8_on_cpu, fa
 
 
 @pytest.mark.parametrize("family", ["wan_t2v", "cogvideox"])
-def test_fused_projections_in_fp8_are_row_slices_of_the_fused_weight(fp8_on_cpu, family):
+def test_fused_projections_in_fp8_are_row_slices_of_the_fused_weight(fp8_gemms_on_cpu, family):
     model, inputs = _bf16(*BUILDERS[family]())
     apply_recipe(model, fsattn=False, compile=False)
     fused_out = run(model, inputs)
@@ -203,7 +203,7 @@ def test_a_torchao_that_cannot_slice_float8_weights_quantizes_the_projections_on
     assert attn.to_q.weight.qdata.untyped_storage().data_ptr() != attn.to_qkv.weight.qdata.untyped_storage().data_ptr()
 
 
-def test_applying_again_after_fp8_leaves_cogvideox_unfused_instead_of_failing(fp8_on_cpu):
+def test_applying_again_after_fp8_leaves_cogvideox_unfused_instead_of_failing(fp8_gemms_on_cpu):
     # FP8 is not undone, and diffusers' generic fuse_projections cannot concatenate float8 weights.
     model, inputs = _bf16(*BUILDERS["cogvideox"]())
     apply_recipe(model, fsattn=False, compile=False)
@@ -324,7 +324,7 @@ def test_lora_must_be_fused_into_the_weights_first():
     assert cosine(run(model, inputs), with_lora) > 0.99999
 
 
-def test_fp8_after_a_fused_lora_quantizes_the_weights_with_the_adapter(fp8_on_cpu):
+def test_fp8_after_a_fused_lora_quantizes_the_weights_with_the_adapter(fp8_gemms_on_cpu):
     from peft import LoraConfig
 
     model, inputs = _bf16(*BUILDERS["wan_t2v"]())
@@ -461,7 +461,7 @@ def test_remove_recipe_restores_the_model_bit_for_bit(family):
     assert torch.equal(run(model, inputs), reference)
 
 
-def test_fp8_recipe_runs_and_is_undone_with_keep_original_weights(fp8_on_cpu):
+def test_fp8_recipe_runs_and_is_undone_with_keep_original_weights(fp8_gemms_on_cpu):
     model, inputs = _bf16(*BUILDERS["wan_t2v"]())
     make_peaky(model)
     reference = run(model, inputs)
@@ -555,7 +555,7 @@ def test_compile_options_torch_compile_would_refuse_are_refused_before_anything_
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13.0a0",
                     reason="this torch's C++ (CPU) inductor backend ignores emulate_precision_casts: under 2.11 "
                            "and 2.12 the compiled model drifts from eager as far with it as without (its Triton "
                            "backend, which the recipe's GPU runs use, honours it)")
