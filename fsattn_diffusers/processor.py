@@ -375,16 +375,22 @@ def _own_processor_classes_from_calling_model(attn_id: int, attn_class: str):
 
 def _calling_model(attn_id: int):
     """``(model, module)``: the nearest diffusers model on the call stack that has the module whose
-    ``id`` is `attn_id` among its attention modules, and that module; or None."""
+    ``id`` is `attn_id` among its attention modules, and that module; or None.
+
+    A frame's ``self`` is looked at first, then its other locals: a compiled function that calls
+    the model (``torch.compile(lambda m, x: m(x))``) is traced with the model's own frames
+    inlined, so the model is found only as a local of the function's frame."""
     from diffusers.models.modeling_utils import ModelMixin
 
     frame = sys._getframe(1)
     while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, ModelMixin):
-            for _, module in families.attention_modules(owner):
-                if id(module) == attn_id:
-                    return owner, module
+        local = frame.f_locals
+        candidates = [local.get("self"), *(value for name, value in local.items() if name != "self")]
+        for owner in candidates:
+            if isinstance(owner, ModelMixin):
+                for _, module in families.attention_modules(owner):
+                    if id(module) == attn_id:
+                        return owner, module
         frame = frame.f_back
     return None
 

@@ -69,6 +69,19 @@ def test_one_liner_on_generic_attention_compiles_without_an_eager_call_first(fam
     assert cosine(out, reference) > 0.999
 
 
+def test_one_liner_on_generic_attention_compiles_inside_a_function_that_calls_the_model():
+    # Traced from a function that calls the model, the model's frames are inlined: the lookup
+    # finds the model among the function's locals.
+    model, inputs = BUILDERS["hunyuan_video"]()
+    make_peaky(model)
+    reference = run(model, inputs)
+    model.set_attn_processor(FSAttnProcessor())
+    compiled = torch.compile(lambda m, kwargs: run(m, kwargs), fullgraph=True, backend="eager")
+    out = compiled(model, inputs)
+    assert emulation_calls() > 0
+    assert cosine(out, reference) > 0.999
+
+
 def test_one_liner_survives_regional_compilation_of_generic_attention():
     model, inputs = BUILDERS["hunyuan_video"]()
     make_peaky(model)
