@@ -377,20 +377,25 @@ def _calling_model(attn_id: int):
     """``(model, module)``: the nearest diffusers model on the call stack that has the module whose
     ``id`` is `attn_id` among its attention modules, and that module; or None.
 
-    A frame's ``self`` is looked at first, then its other locals: a compiled function that calls
-    the model (``torch.compile(lambda m, x: m(x))``) is traced with the model's own frames
-    inlined, so the model is found only as a local of the function's frame."""
+    A frame's ``self`` is looked at first, then its other locals. The second matters while
+    torch.compile traces a function that calls the model (``torch.compile(lambda m, x: m(x))``):
+    dynamo does not run the function's or the model's frames as Python, and the model is found
+    as a local of dynamo's own frames (its module-call step, under torch 2.11 and 2.13)."""
     from diffusers.models.modeling_utils import ModelMixin
 
+    seen = set()
     frame = sys._getframe(1)
     while frame is not None:
         local = frame.f_locals
-        candidates = [local.get("self"), *(value for name, value in local.items() if name != "self")]
+        candidates = [local.get("self"), *(value for name, value in list(local.items()) if name != "self")]
         for owner in candidates:
-            if isinstance(owner, ModelMixin):
-                for _, module in families.attention_modules(owner):
-                    if id(module) == attn_id:
-                        return owner, module
+            # type(), not isinstance(): a mock's __class__ can claim to be a model.
+            if not issubclass(type(owner), ModelMixin) or id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            for _, module in families.attention_modules(owner):
+                if id(module) == attn_id:
+                    return owner, module
         frame = frame.f_back
     return None
 
