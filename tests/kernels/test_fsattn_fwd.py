@@ -32,16 +32,16 @@ def kernel_path(monkeypatch):
 
 
 @pytest.fixture
-def kernel_device(monkeypatch):
+def kernel_device(request):
     """The device whose kernels a test runs: the GPU's compiled ones where there is a GPU, else the
-    interpreter's on CPU. For the checks that hold on either (no emulation at the CPU's tiny tiles)."""
+    interpreter's on CPU (``kernel_path``). For the checks that hold on either (no emulation at the
+    CPU's tiny tiles)."""
     if GPU:
         available, reason = fsattn_ops.kernels_available(torch.device(DEVICE))
         if not available:
             pytest.skip(f"fsattn's kernels do not run on this GPU ({reason}); its calls go to SDPA")
         return DEVICE
-    skip_without_interpreter()
-    monkeypatch.setattr(fsattn_ops, "CPU_PATH", "interpreter")
+    request.getfixturevalue("kernel_path")
     return "cpu"
 
 
