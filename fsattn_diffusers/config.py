@@ -133,6 +133,9 @@ class FSAttnConfig:
         (fsattn_diffusers/plan.py decides).
     check_finite : bool
         Check the inputs for NaN and Inf and raise (costs a pass over the inputs and a sync).
+        Without it a non-finite input gives NaN outputs where it reaches (its query's row, every
+        row of the query heads that read a non-finite attended key, a V channel's column), never
+        a finite value.
     """
 
     k_granularity: str = "auto"

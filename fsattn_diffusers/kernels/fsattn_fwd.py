@@ -298,7 +298,7 @@ def _fsattn_fwd_kernel(
 
     # --- epilogue: normalise, undo V's scale and mean, write O and the natural-log LSE ----------
     l = l_acc
-    attended = l > 0.0
+    attended = l != 0.0  # a row with no attended key has l = 0; a NaN l (a non-finite input) stays NaN
     inv_l = tl.where(attended, 1.0 / tl.where(attended, l, 1.0), 0.0)
     v_scale = tl.load(v_scale_ptr + stat_base + rd)
     v_mean = tl.load(v_mean_ptr + stat_base + rd)

@@ -60,7 +60,7 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
     row_layout: gl.constexpr = l_acc.type.layout
     o_cols_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
     l_o = gl.convert_layout(l_acc, o_row_layout)
-    attended = l_o > 0.0
+    attended = l_o != 0.0  # a row with no attended key has l = 0; a NaN l (a non-finite input) stays NaN
     inv_l = gl.where(attended, 1.0 / gl.where(attended, l_o, 1.0), 0.0)
     rd = gl.arange(0, D_PAD, layout=o_cols_layout)
     v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
@@ -72,7 +72,7 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
     offs = (b.to(gl.int64) * stride_ob + gl.expand_dims(rows.to(gl.int64), 1) * stride_os
             + h.to(gl.int64) * stride_oh + gl.expand_dims(rd, 0))
     gl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-    att_r = l_acc > 0.0
+    att_r = l_acc != 0.0
     lse = gl.where(att_r, (m - P_OFFSET + gl.log2(gl.where(att_r, l_acc, 1.0))) * LN2
                    + gl.load(qkm_ptr + q_row + gl.arange(0, ROWS, layout=row_layout)), float("-inf"))
     lse_rows = first_row + gl.arange(0, ROWS, layout=row_layout)

@@ -331,14 +331,19 @@ def _quantize_q_kernel(
     q = tl.load(q_ptr + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + cols[None, :] * stride_qd,
                 mask=in_bounds, other=0.0).to(tl.float32)
     k_mean = tl.load(stat)
+    out_rows = (b * n_heads + h) * q_pad + rows
+    # Smoothing K shifts every score of a row by sm_scale * q . k_mean; the LSE adds it back.
+    q_dot_k_mean = tl.sum(q * k_mean[None, :], 1) * sm_scale
+    tl.store(qkm_ptr + out_rows, q_dot_k_mean)
     q_log2 = q * (sm_scale * LOG2E)
     amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
-    out_rows = (b * n_heads + h) * q_pad + rows
+    # q . k_mean is not finite exactly where the row of Q or an attended key of its head is not
+    # (NaN or Inf): that row's scale is then NaN, and so are its scores and its output, where the
+    # max and the INT8 rounding would otherwise turn the bad values into a finite wrong row.
+    finite = tl.abs(q_dot_k_mean) < float("inf")
+    tl.store(qs_ptr + out_rows, tl.where(finite, amax / 127.0, float("nan")))
     tl.store(qq_ptr + out_rows[:, None] * D_PAD + cols[None, :],
              _round_half_away(q_log2 * (127.0 / amax)[:, None]).to(tl.int8))
-    tl.store(qs_ptr + out_rows, amax / 127.0)
-    # Smoothing K shifts every score of a row by sm_scale * q . k_mean; the LSE adds it back.
-    tl.store(qkm_ptr + out_rows, tl.sum(q * k_mean[None, :], 1) * sm_scale)
 
 
 

@@ -239,6 +239,40 @@ def test_masked_key_values_change_nothing(request, monkeypatch, path, garbage):
     assert cosine(out, attention_reference(q, k, v, mask)[0]) > 0.999
 
 
+# (head dim, keys): on a GPU the warp-specialised kernel (64), the Triton kernel (128, few keys) and
+# the warp-specialised kernel on sorted keys (128, over 1,024 keys); the interpreter runs the Triton
+# kernel at both head dims.
+NON_FINITE_SHAPES = [(64, 150), (128, 150)] + ([(128, 1100)] if GPU else [])
+
+
+@pytest.mark.parametrize("path", ["kernels", "emulation"])
+@pytest.mark.parametrize("head_dim,seq_k", NON_FINITE_SHAPES)
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_non_finite_input_gives_nan_where_it_reaches_never_a_finite_wrong_value(request, monkeypatch, path,
+                                                                                   head_dim, seq_k, bad):
+    # Without check_finite nothing is checked on the host; a NaN or Inf must still not come out as
+    # a plausible number (the INT8 max and rounding would drop it): a query row's output is NaN, a
+    # key makes every row of the query heads that read its KV head NaN, a V channel that channel.
+    # Everything else is what the same call without the bad values gives, bit for bit.
+    if path == "kernels":
+        device = request.getfixturevalue("kernel_device")
+    else:
+        device = "cpu"
+        monkeypatch.setattr(fsattn_ops, "CPU_PATH", path)
+    gen = torch.Generator().manual_seed(head_dim + seq_k)
+    q, k, v, _ = make_family("randn", 2, 40, seq_k, 4, head_dim, dtype=torch.bfloat16, device=device,
+                             generator=gen, kv_heads=2)
+    clean = fsattn(q, k, v)
+    q[0, 3, 1, :5] = k[1, 7, 0, 2] = v[0, 9, 1, 5] = float(bad)
+    out = fsattn(q, k, v)
+    expected = torch.zeros_like(out, dtype=torch.bool)
+    expected[0, 3, 1, :] = True  # batch 0, query row 3 of head 1
+    expected[1, :, 0:2, :] = True  # batch 1, query heads 0 and 1 (KV head 0)
+    expected[0, :, 2:4, 5] = True  # batch 0, query heads 2 and 3 (KV head 1), channel 5
+    assert torch.equal(~torch.isfinite(out), expected), (~torch.isfinite(out)).nonzero()[:8]
+    assert torch.equal(out[~expected], clean[~expected])
+
+
 # --- GPU: real lengths, every family -------------------------------------------------------------
 
 # (family, min cosine, max relative L1): the op issue's bounds; adversarial families need only be finite
