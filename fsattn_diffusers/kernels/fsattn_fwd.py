@@ -297,8 +297,11 @@ def _fsattn_fwd_kernel(
             ROWSUM_COLS, SOFT_ROUND)
 
     # --- epilogue: normalise, undo V's scale and mean, write O and the natural-log LSE ----------
-    l = l_acc
-    attended = l != 0.0  # a row with no attended key has l = 0; a NaN l (a non-finite input) stays NaN
+    # A row whose Q scale is NaN (a non-finite input, Q's pass) gets a NaN l, whatever its P became
+    # (an exponential by bits turns NaN into 0); l's bits are kept otherwise. A row with no attended
+    # key has l = 0 and gives zeros; a NaN l passes `!= 0`.
+    l = l_acc + 0.0 * qs
+    attended = l != 0.0
     inv_l = tl.where(attended, 1.0 / tl.where(attended, l, 1.0), 0.0)
     v_scale = tl.load(v_scale_ptr + stat_base + rd)
     v_mean = tl.load(v_mean_ptr + stat_base + rd)

@@ -60,7 +60,10 @@ def _epilogue(acc, l_acc, m, qkm_ptr, v_scale_ptr, v_mean_ptr, out_ptr, lse_ptr,
     row_layout: gl.constexpr = l_acc.type.layout
     o_cols_layout: gl.constexpr = gl.SliceLayout(0, o_layout)
     l_o = gl.convert_layout(l_acc, o_row_layout)
-    attended = l_o != 0.0  # a row with no attended key has l = 0; a NaN l (a non-finite input) stays NaN
+    # A row with no attended key has l = 0 and gives zeros; a NaN l passes `!= 0`. A row whose Q scale
+    # is NaN (a non-finite input, Q's pass) has NaN scores, P and l here: the FP8 conversion keeps
+    # NaN. (Adding 0 * its scale to l, as the Triton kernel does, spills at head dim 64.)
+    attended = l_o != 0.0
     inv_l = gl.where(attended, 1.0 / gl.where(attended, l_o, 1.0), 0.0)
     rd = gl.arange(0, D_PAD, layout=o_cols_layout)
     v_scale = gl.load(v_scale_ptr + bh_kv * D_PAD + rd)
