@@ -285,7 +285,13 @@ def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NH
     # SDPA takes a float mask only in the query's dtype; fsattn() takes any float mask.
     sdpa_mask = mask if mask is None or mask.dtype in (torch.bool, q.dtype) else mask.to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=scale)
-    out = torch.nan_to_num(out, nan=0.0)
+    # SDPA's CPU kernel gives a NaN query row a finite output (its NaN keys and V it keeps): the
+    # row is made NaN here, as on fsattn's kernels.
+    out = out + (0.0 * torch.sum(q, -1, keepdim=True, dtype=torch.float32)).to(out.dtype)
+    if mask is not None:
+        # Zeros where every key is masked (SDPA: NaN); a NaN the inputs put elsewhere stays.
+        attended = mask if mask.dtype == torch.bool else mask > float("-inf")
+        out = out.masked_fill(~attended.any(-1, keepdim=True), 0.0)
     out = (out if layout == "HND" else out.transpose(1, 2)).contiguous()
     if not return_lse:
         return out

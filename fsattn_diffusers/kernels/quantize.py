@@ -337,8 +337,8 @@ def _quantize_q_kernel(
     tl.store(qkm_ptr + out_rows, q_dot_k_mean)
     q_log2 = q * (sm_scale * LOG2E)
     amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
-    # q . k_mean is not finite exactly where the row of Q or an attended key of its head is not
-    # (NaN or Inf): that row's scale is then NaN, and so are its scores, P, l and output, where the
+    # q . k_mean is not finite wherever the row of Q or an attended key of its head is not (NaN or
+    # Inf; also where finite values overflow float32 in it, far past any real score): that row's scale is then NaN, and so are its scores, P, l and output, where the
     # max and the INT8 rounding would otherwise turn the bad values into a finite row (the Triton
     # kernel's epilogue adds 0 times the scale to l too: its exponentials by bits drop NaN).
     finite = tl.abs(q_dot_k_mean) < float("inf")
@@ -690,7 +690,10 @@ def _quantize_kv_kernel(
                     mask=in_bounds, other=0.0).to(tl.float32)
         if V_FP8:
             v = tl.where(keep, v - v_mean[None, :], 0.0) * v_inv_scale[None, :]
-            v = tl.minimum(tl.maximum(v, -448.0), 448.0)  # rounding may step past 448; e4m3fn has no Inf
+            # Rounding may step past 448 and e4m3fn has no Inf. A NaN stays NaN, so that its channel's
+            # output does (without smooth_v no NaN V mean would carry it).
+            v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                           propagate_nan=tl.PropagateNan.ALL)
         else:
             v = tl.where(keep, v, 0.0)
         v_low = to_low_precision(v, vt_ptr.dtype.element_ty, SOFT_ROUND)

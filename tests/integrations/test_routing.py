@@ -154,6 +154,23 @@ def test_exact_attention_reads_a_float_mask_as_the_kernels_do(masked_value, mask
     torch.testing.assert_close(kernel_out[rows], out[rows], atol=0.05, rtol=0)
 
 
+def test_exact_attention_keeps_a_nan_of_the_inputs_and_zeros_only_rows_with_every_key_masked():
+    # The fallback's zeros are for rows SDPA gives NaN because nothing is attended; a NaN query row
+    # must stay NaN, as it does on the kernels.
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 12, 2, 32, generator=gen) for _ in range(3))
+    q[0, 3, 1, 0] = float("nan")
+    for mask in (None, torch.ones(2, 1, 1, 12, dtype=torch.bool)):
+        out, lse = exact_attention(q, k, v, mask, return_lse=True)
+        bad = torch.zeros_like(out, dtype=torch.bool)
+        bad[0, 3, 1] = True
+        assert torch.equal(out.isnan(), bad) and torch.equal(lse.isnan(), bad[..., 0].transpose(1, 2))
+    mask[1] = False
+    out, lse = exact_attention(q, k, v, mask, return_lse=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == float("-inf")).all())
+    assert out[0, 3, 1].isnan().all() and torch.isfinite(out[0, :3]).all()
+
+
 def test_exact_attention_keeps_a_per_key_mask_broadcast():
     # The gap rule runs on the mask's stored values: a (B, 1, 1, Sk) mask expanded over queries and
     # heads stays a view, not a B x H x Sq x Sk copy, and reads as the compact mask does.

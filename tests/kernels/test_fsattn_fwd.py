@@ -239,13 +239,18 @@ def test_masked_key_values_change_nothing(request, monkeypatch, path, garbage):
     assert cosine(out, attention_reference(q, k, v, mask)[0]) > 0.999
 
 
-# (head dim, keys): on a GPU the warp-specialised kernel (64), the Triton kernel (128, few keys) and
-# the warp-specialised kernel on sorted keys (128, over 1,024 keys); the interpreter runs the Triton
-# kernel at both head dims.
+# (head dim, keys): at the default on a GPU, the warp-specialised kernel (64), the Triton kernel
+# (128, few keys) and the warp-specialised kernel on sorted keys (128, over 1,024 keys; "k_token"
+# there: with a K scale per key); the interpreter runs the Triton kernel at both head dims.
 NON_FINITE_SHAPES = [(64, 150), (128, 150)] + ([(128, 1100)] if GPU else [])
-# Every variant of the Triton kernel, and a float mask (which runs it with a bias); the emulation.
-NON_FINITE_PATHS = [("kernels", name, cfg) for name, cfg in VARIANTS] + [("kernels", "float_mask", FSAttnConfig()),
-                                                                         ("emulation", "default", FSAttnConfig())]
+# Every variant of the Triton kernel, V without smoothing, a K scale per key, a float mask (the
+# Triton kernel with a bias), and on a GPU the simple Gluon kernel; the emulation.
+NON_FINITE_PATHS = ([("kernels", name, cfg) for name, cfg in VARIANTS]
+                    + [("kernels", "no_smooth_v", FSAttnConfig(smooth_v=False)),
+                       ("kernels", "k_token", FSAttnConfig(k_granularity="token")),
+                       ("kernels", "float_mask", FSAttnConfig()),
+                       ("kernels", "gluon", FSAttnConfig(kernel="gluon")),
+                       ("emulation", "default", FSAttnConfig()), ("emulation", "no_smooth_v", FSAttnConfig(smooth_v=False))])
 
 
 @pytest.mark.parametrize("path,name,cfg", NON_FINITE_PATHS, ids=[f"{p}-{n}" for p, n, _ in NON_FINITE_PATHS])
