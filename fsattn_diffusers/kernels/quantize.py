@@ -338,9 +338,10 @@ def _quantize_q_kernel(
     q_log2 = q * (sm_scale * LOG2E)
     amax = tl.maximum(tl.max(tl.abs(q_log2), 1), 1e-20)
     # q . k_mean is not finite wherever the row of Q or an attended key of its head is not (NaN or
-    # Inf; also where finite values overflow float32 in it, far past any real score): that row's scale is then NaN, and so are its scores, P, l and output, where the
-    # max and the INT8 rounding would otherwise turn the bad values into a finite row (the Triton
-    # kernel's epilogue adds 0 times the scale to l too: its exponentials by bits drop NaN).
+    # Inf; also where finite values overflow float32 in it, far past any real score). That row's
+    # scale is then NaN, and so are its scores, P, l and output, where the max and the INT8
+    # rounding would otherwise turn the bad values into a finite row (the Triton kernel's epilogue
+    # adds 0 times the scale to l too: its exponentials by bits drop NaN).
     finite = tl.abs(q_dot_k_mean) < float("inf")
     tl.store(qs_ptr + out_rows, tl.where(finite, amax / 127.0, float("nan")))
     tl.store(qq_ptr + out_rows[:, None] * D_PAD + cols[None, :],

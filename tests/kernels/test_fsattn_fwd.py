@@ -250,7 +250,8 @@ NON_FINITE_PATHS = ([("kernels", name, cfg) for name, cfg in VARIANTS]
                        ("kernels", "k_token", FSAttnConfig(k_granularity="token")),
                        ("kernels", "float_mask", FSAttnConfig()),
                        ("kernels", "gluon", FSAttnConfig(kernel="gluon")),
-                       ("emulation", "default", FSAttnConfig()), ("emulation", "no_smooth_v", FSAttnConfig(smooth_v=False))])
+                       ("emulation", "default", FSAttnConfig()),
+                       ("emulation", "no_smooth_v", FSAttnConfig(smooth_v=False))])
 
 
 @pytest.mark.parametrize("path,name,cfg", NON_FINITE_PATHS, ids=[f"{p}-{n}" for p, n, _ in NON_FINITE_PATHS])
