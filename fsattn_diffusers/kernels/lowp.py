@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from .configs import triton_release
+
 # Read once at import, as Triton's own reading of TRITON_INTERPRET (any of its true spellings).
 IN_INTERPRETER = bool(knobs.runtime.interpret)
 
@@ -53,7 +55,8 @@ def _index_scalars_as_triton_37_does() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-if IN_INTERPRETER and tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
+_RELEASE = triton_release()
+if IN_INTERPRETER and _RELEASE is not None and _RELEASE < (3, 7):
     _index_scalars_as_triton_37_does()
 
 # Globals a @triton.jit function reads must be tl.constexpr.
