@@ -212,10 +212,11 @@ def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_
     # Expand the KV heads over their query-head groups.
     k8, v_lo, key_scale, k_mean, v_scale, v_mean = (
         t.repeat_interleave(group, 1) for t in (k8, v_lo, key_scale, k_mean, v_scale, v_mean))
-    # As Q's pass: a row whose q . k_mean is not finite (the row or an attended key is not) has a
-    # NaN scale, which the epilogue below turns into a NaN row.
-    finite_rows = ((qf * k_mean[:, :, None]).sum(-1) * scale).isfinite()
-    qs = torch.where(finite_rows, qs, float("nan"))
+    # Smoothing K shifts every score of a row by scale * q . k_mean; the LSE adds it back. As Q's
+    # pass: a row where it is not finite (the row or an attended key is not) has a NaN scale, which
+    # the epilogue below turns into a NaN row.
+    q_dot_kmean = (qf * k_mean[:, :, None]).sum(-1) * scale
+    qs = torch.where(q_dot_kmean.isfinite(), qs, float("nan"))
 
     out = torch.empty(bsz, heads, seq_q, dim, dtype=torch.float32, device=dev)
     lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=dev)
@@ -241,13 +242,12 @@ def emulate_fsattn(q, k, v, *, scale, config: FSAttnConfig, block_m: int, block_
                 shift = torch.where(row_redo, shift2, shift)
         else:
             o, l_sum, shift = _online_pass(x_raw, pv, block_n)
-        q_dot_kmean = (qf[:, :, i0:i1] * k_mean[:, :, None]).sum(-1) * scale
         l_sum = l_sum + 0.0 * qs[:, :, i0:i1]  # NaN where the row's scale is, as the kernels'
         attended = l_sum != 0
         inv_l = torch.where(attended, 1.0 / torch.where(attended, l_sum, 1.0), 0.0)
         out[:, :, i0:i1] = o * inv_l[..., None] * v_scale[:, :, None] + attended[..., None] * v_mean[:, :, None]
         lse[:, :, i0:i1] = torch.where(
-            attended, (shift + torch.log2(torch.where(attended, l_sum, 1.0))) * LN2 + q_dot_kmean,
+            attended, (shift + torch.log2(torch.where(attended, l_sum, 1.0))) * LN2 + q_dot_kmean[:, :, i0:i1],
             float("-inf"))
     return out.transpose(1, 2), lse, violated_tiles
 
