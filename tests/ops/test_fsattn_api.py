@@ -243,10 +243,13 @@ def test_torch_compile_fullgraph_runs_the_op_in_one_graph():
 
 def test_reset_stats_after_a_counter_born_in_inference_mode(monkeypatch):
     import sys
+    from collections import Counter
 
     stats_module = sys.modules["fsattn_diffusers.stats"]  # the package rebinds `stats` to the function
 
+    # Counters of its own: an earlier test in this process may have left emulated fallbacks.
     monkeypatch.setattr(stats_module, "_device_counters", {})
+    monkeypatch.setattr(stats_module, "_emulated_fallbacks", Counter())
     with torch.inference_mode():
         stats_module.fallback_counter(torch.device("cpu")).add_(3)
     assert stats()["fallback_q_tiles"] == 3
