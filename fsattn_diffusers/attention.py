@@ -251,12 +251,17 @@ def _exact_fallback(query, key, value, attn_mask, scale, layout, return_lse, rea
     return exact_attention(query, key, value, attn_mask, scale=scale, layout=layout, return_lse=return_lse)
 
 
+def _stored_values(mask: torch.Tensor) -> torch.Tensor:
+    """`mask` without the dimensions it only broadcasts over (stride 0, kept at size 1)."""
+    return mask[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in mask.stride())]
+
+
 def _gap_masked(mask: torch.Tensor) -> torch.Tensor:
     """A float mask with -inf wherever a value is MASKED_BIAS_GAP or more below the largest of its
     row (the threshold in float32): the one rule for :func:`key_mask` and the exact fallback.
     Dimensions the mask only broadcasts over (stride 0) stay broadcast: a per-key mask is never
     expanded per query."""
-    stored = mask[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in mask.stride())]
+    stored = _stored_values(mask)
     threshold = stored.amax(-1, keepdim=True).float() - MASKED_BIAS_GAP
     return stored.masked_fill(stored <= threshold, float("-inf")).expand(mask.shape)
 
@@ -289,8 +294,10 @@ def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NH
     # row is made NaN here, as on fsattn's kernels.
     out = out + (0.0 * torch.sum(q, -1, keepdim=True, dtype=torch.float32)).to(out.dtype)
     if mask is not None:
-        # Zeros where every key is masked (SDPA: NaN); a NaN the inputs put elsewhere stays.
-        attended = mask if mask.dtype == torch.bool else mask > float("-inf")
+        # Zeros where every key is masked (SDPA: NaN); a NaN the inputs put elsewhere stays. Read on
+        # the stored values: a comparison on a broadcast mask would make a full-size copy of it.
+        stored = _stored_values(mask)
+        attended = stored if stored.dtype == torch.bool else stored > float("-inf")
         out = out.masked_fill(~attended.any(-1, keepdim=True), 0.0)
     out = (out if layout == "HND" else out.transpose(1, 2)).contiguous()
     if not return_lse:

@@ -180,3 +180,19 @@ def test_exact_attention_keeps_a_per_key_mask_broadcast():
     expanded = compact.expand(2, 4, 24, 24)
     assert attention._gap_masked(expanded).stride()[1:3] == (0, 0)
     torch.testing.assert_close(exact_attention(q, k, v, expanded), exact_attention(q, k, v, compact))
+
+
+def test_exact_attention_makes_no_full_size_copy_of_a_broadcast_float_mask():
+    # At video sizes a B x H x Sq x Sk copy of the mask is tens of GB: no allocation of the call may
+    # come near even a one-byte-per-entry copy (SDPA's CPU kernel keeps a broadcast float mask a
+    # view; the profiler nets an op's frees against its allocations, so the bound has a margin).
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = _qkv(s=256, h=4, d=8)
+    compact = torch.zeros(2, 1, 1, 256)
+    compact[1, ..., 40:] = float("-inf")
+    expanded = compact.expand(2, 4, 256, 256)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        exact_attention(q, k, v, expanded)
+    largest = max(event.self_cpu_memory_usage for event in prof.events())
+    assert 0 < largest < expanded.numel() // 2, (largest, expanded.numel())
