@@ -287,8 +287,12 @@ def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NH
         mask = mask.unsqueeze(0)
     if mask is not None and mask.dtype != torch.bool:
         mask = _gap_masked(mask)
-    # SDPA takes a float mask only in the query's dtype; fsattn() takes any float mask.
-    sdpa_mask = mask if mask is None or mask.dtype in (torch.bool, q.dtype) else mask.to(q.dtype)
+    # SDPA takes a float mask only in the query's dtype; fsattn() takes any float mask. It is handed
+    # the stored values, which it broadcasts itself: its boolean-to-float conversion and the cast
+    # would each make a full-size copy of a broadcast view.
+    sdpa_mask = None if mask is None else _stored_values(mask)
+    if sdpa_mask is not None and sdpa_mask.dtype not in (torch.bool, q.dtype):
+        sdpa_mask = sdpa_mask.to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=scale)
     # SDPA's CPU kernel gives a NaN query row a finite output (its NaN keys and V it keeps): the
     # row is made NaN here, as on fsattn's kernels.

@@ -182,17 +182,27 @@ def test_exact_attention_keeps_a_per_key_mask_broadcast():
     torch.testing.assert_close(exact_attention(q, k, v, expanded), exact_attention(q, k, v, compact))
 
 
-def test_exact_attention_makes_no_full_size_copy_of_a_broadcast_float_mask():
+@pytest.mark.parametrize("mask_dtype, q_dtype", [(torch.float32, torch.float32), (torch.bool, torch.float32),
+                                              (torch.float32, torch.bfloat16)],
+                         ids=["float_mask", "bool_mask", "float_mask_cast_to_bf16"])
+def test_exact_attention_makes_no_full_size_copy_of_a_broadcast_mask(mask_dtype, q_dtype):
     # At video sizes a B x H x Sq x Sk copy of the mask is tens of GB: no allocation of the call may
-    # come near even a one-byte-per-entry copy (SDPA's CPU kernel keeps a broadcast float mask a
-    # view; the profiler nets an op's frees against its allocations, so the bound has a margin).
+    # come near even a one-byte-per-entry copy. SDPA turns a boolean mask into a float one, and a
+    # float mask in another dtype is cast, each the size of the tensor it is handed: handed the
+    # broadcast view, full size. The profiler nets an op's frees against its allocations, so the
+    # bound has a margin.
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v = _qkv(s=256, h=4, d=8)
+    q, k, v = _qkv(s=256, h=4, d=8, dtype=q_dtype)
     compact = torch.zeros(2, 1, 1, 256)
     compact[1, ..., 40:] = float("-inf")
+    if mask_dtype == torch.bool:
+        compact = compact == 0
     expanded = compact.expand(2, 4, 256, 256)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        exact_attention(q, k, v, expanded)
+        out = exact_attention(q, k, v, expanded)
     largest = max(event.self_cpu_memory_usage for event in prof.events())
     assert 0 < largest < expanded.numel() // 2, (largest, expanded.numel())
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=compact if mask_dtype == torch.bool else compact.to(q_dtype))
+    torch.testing.assert_close(out, reference.transpose(1, 2), rtol=0, atol=0)
