@@ -7,7 +7,10 @@ quantisation pre-pass is inside its time. Effective TFLOP/s = 4*B*H*Sq*Sk*D / ti
 measured on a random sample of query rows of two heads against the float64 reference. With
 ``--kernel-times`` each fsattn row also lists the GPU time of each kernel of a call (torch.profiler
 over a few calls): where the call's time goes (pre-passes, the key sort, the forward kernel). The
-profiling runs after every timing, on fresh inputs of the same seed, so that no timing follows it.
+profiling runs after every timing, on fresh inputs of the same seed, so that no timing follows it;
+its few calls are a short burst, which a power-capped card can run at a higher clock than the
+timing's sustained loop (``kernel_clocks`` beside ``clocks`` tells): the kernels' shares compare,
+but their sum need not equal the row's time.
 Each timed row also carries the GPU's SM clock, board power and clock-event reasons sampled by
 ``nvidia-smi`` while it was timed: the 8-bit kernels are bound by the card's power limit at the large
 shapes, so the same code runs at different clocks on cards of the same name, and a time is only
@@ -357,7 +360,9 @@ def main():
                 continue
             cfg = FSAttnConfig(**row["config"])
             try:
-                row["kernel_us"] = kernel_times(lambda: fsattn(q, k, v, attn_mask=mask, config=cfg))
+                with ClockSampler() as clocks:
+                    row["kernel_us"] = kernel_times(lambda: fsattn(q, k, v, attn_mask=mask, config=cfg))
+                row["kernel_clocks"] = clocks.summary
             except Exception as exc:  # the row's timing stands; say why its split is missing
                 row["kernel_us_error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(f"{name:16s} {row['method']:28s} GPU time per call by kernel:", row.get("kernel_us_error", ""))
