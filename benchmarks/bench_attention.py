@@ -8,9 +8,10 @@ measured on a random sample of query rows of two heads against the float64 refer
 ``--kernel-times`` each fsattn row also lists the GPU time of each kernel of a call (torch.profiler
 over a few calls): where the call's time goes (pre-passes, the key sort, the forward kernel). The
 profiling runs after every timing, on fresh inputs of the same seed, so that no timing follows it;
-its few calls are a short burst, which a power-capped card can run at a higher clock than the
-timing's sustained loop (``kernel_clocks`` beside ``clocks`` tells): the kernels' shares compare,
-but their sum need not equal the row's time.
+its few calls are a short burst, whose kernels have summed to less than the timed row on a
+power-capped card (by up to 13 % at Wan2.1-14B on an H100, at the same sampled SM clock:
+``kernel_clocks`` beside ``clocks``): the kernels' shares compare, their sum and the row's time
+need not.
 Each timed row also carries the GPU's SM clock, board power and clock-event reasons sampled by
 ``nvidia-smi`` while it was timed: the 8-bit kernels are bound by the card's power limit at the large
 shapes, so the same code runs at different clocks on cards of the same name, and a time is only
