@@ -11,7 +11,8 @@ profiling runs after every timing, on fresh inputs of the same seed, so that no 
 its few calls are a short burst, whose kernels have summed to less than the timed row on a
 power-capped card (by up to 13 % at Wan2.1-14B on an H100, at the same sampled SM clock:
 ``kernel_clocks`` beside ``clocks``): the kernels' shares compare, their sum and the row's time
-need not.
+need not. ``kernel_span`` says whether the GPU waited inside those calls: their span per call,
+first kernel to last, and the share of it that some kernel ran.
 Each timed row also carries the GPU's SM clock, board power and clock-event reasons sampled by
 ``nvidia-smi`` while it was timed: the 8-bit kernels are bound by the card's power limit at the large
 shapes, so the same code runs at different clocks on cards of the same name, and a time is only
@@ -220,8 +221,27 @@ def per_kernel_us(events, calls):
     return dict(sorted(total.items(), key=lambda item: -item[1]))
 
 
+def gpu_span(events, calls):
+    """The GPU's span per call over profiler `events` recorded over `calls` back-to-back calls (first
+    kernel's start to last kernel's end, microseconds) and the share of it some kernel ran: below 1
+    where the GPU waited inside or between the calls. None without CUDA events or their times."""
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA and getattr(e, "time_range", None))
+    if not ranges or ranges[-1][1] <= ranges[0][0]:
+        return None
+    busy, start, end = 0.0, *ranges[0]
+    for lo, hi in ranges[1:]:
+        if lo > end:
+            busy, start, end = busy + end - start, lo, hi
+        else:
+            end = max(end, hi)
+    busy += end - start
+    span = max(hi for _, hi in ranges) - ranges[0][0]
+    return {"span_us_per_call": span / calls, "busy_share": busy / span}
+
+
 def kernel_times(fn, calls=5):
-    """:func:`per_kernel_us` of `fn`'s calls, after one untimed call."""
+    """:func:`per_kernel_us` and :func:`gpu_span` of `fn`'s calls, after one untimed call."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -230,7 +250,8 @@ def kernel_times(fn, calls=5):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return per_kernel_us(prof.events(), calls)
+    events = prof.events()
+    return per_kernel_us(events, calls), gpu_span(events, calls)
 
 
 def make_inputs(shape, seed):
@@ -362,11 +383,14 @@ def main():
             cfg = FSAttnConfig(**row["config"])
             try:
                 with ClockSampler() as clocks:
-                    row["kernel_us"] = kernel_times(lambda: fsattn(q, k, v, attn_mask=mask, config=cfg))
+                    row["kernel_us"], row["kernel_span"] = kernel_times(
+                        lambda: fsattn(q, k, v, attn_mask=mask, config=cfg))
                 row["kernel_clocks"] = clocks.summary
             except Exception as exc:  # the row's timing stands; say why its split is missing
                 row["kernel_us_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            print(f"{name:16s} {row['method']:28s} GPU time per call by kernel:", row.get("kernel_us_error", ""))
+            span = row.get("kernel_span") or {}
+            print(f"{name:16s} {row['method']:28s} GPU time per call by kernel:", row.get("kernel_us_error", ""),
+                  f"(span {span['span_us_per_call'] / 1e3:.1f} ms a call, busy {span['busy_share']:.1%})" if span else "")
             for kernel, us in (row.get("kernel_us") or {}).items():
                 print(f"{'':16s}   {us:10.1f} us  {kernel[:100]}", flush=True)
             save()

@@ -28,6 +28,23 @@ def test_kernel_times_are_per_call_summed_over_launches_and_skip_host_events():
     assert list(times) == ["forward", "sort_pass"]  # largest first
 
 
+def _timed(start, end, device=torch.autograd.DeviceType.CUDA):
+    return SimpleNamespace(name="k", device_time=end - start, device_type=device,
+                           time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_gpu_span_counts_overlaps_once_and_gaps_as_idle():
+    # Two calls over 0-100 us: kernels 0-30 and 20-40 overlap (busy 0-40), a 20 us gap, then 60-100;
+    # a host event outside the span is not the GPU's.
+    events = [_timed(60.0, 100.0), _timed(0.0, 30.0), _timed(20.0, 40.0),
+              _timed(-50.0, 500.0, torch.autograd.DeviceType.CPU)]
+    assert bench_attention.gpu_span(events, calls=2) == {"span_us_per_call": 50.0, "busy_share": 0.8}
+    # A kernel inside another's range adds nothing; back-to-back kernels leave no idle time.
+    assert bench_attention.gpu_span([_timed(0.0, 10.0), _timed(2.0, 5.0), _timed(10.0, 20.0)], calls=1) == \
+        {"span_us_per_call": 20.0, "busy_share": 1.0}
+    assert bench_attention.gpu_span([_event("forward", 100.0)], calls=1) is None  # no times: no span
+
+
 def test_clock_samples_give_medians_and_each_reasons_share_and_skip_unreadable_lines():
     lines = ["1515, 637.2, 0x0000000000000004\n", "[N/A], [N/A], [N/A]\n", "\n",
              "1980, 100.0, 0x0000000000000001\n", "1600, 640, 0x0\n", "1510, 650, 0x0000000000000024\n"]
