@@ -227,7 +227,8 @@ def gpu_span(events, calls):
     where the GPU waited inside or between the calls. None without CUDA events or their times."""
     ranges = sorted((e.time_range.start, e.time_range.end) for e in events
                     if e.device_type == torch.autograd.DeviceType.CUDA and getattr(e, "time_range", None))
-    if not ranges or ranges[-1][1] <= ranges[0][0]:
+    span = max((hi for _, hi in ranges), default=0.0) - (ranges[0][0] if ranges else 0.0)
+    if span <= 0:
         return None
     busy, start, end = 0.0, *ranges[0]
     for lo, hi in ranges[1:]:
@@ -236,7 +237,6 @@ def gpu_span(events, calls):
         else:
             end = max(end, hi)
     busy += end - start
-    span = max(hi for _, hi in ranges) - ranges[0][0]
     return {"span_us_per_call": span / calls, "busy_share": busy / span}
 
 
