@@ -43,6 +43,7 @@ def test_gpu_span_counts_overlaps_once_and_gaps_as_idle():
     assert bench_attention.gpu_span([_timed(0.0, 10.0), _timed(2.0, 5.0), _timed(10.0, 20.0)], calls=1) == \
         {"span_us_per_call": 20.0, "busy_share": 1.0}
     assert bench_attention.gpu_span([_event("forward", 100.0)], calls=1) is None  # no times: no span
+    assert bench_attention.gpu_span([_timed(5.0, 5.0)], calls=1) is None  # no length: no share
 
 
 def test_clock_samples_give_medians_and_each_reasons_share_and_skip_unreadable_lines():
