@@ -287,20 +287,17 @@ def exact_attention(query, key, value, attn_mask=None, *, scale=None, layout="NH
         mask = mask.unsqueeze(0)
     if mask is not None and mask.dtype != torch.bool:
         mask = _gap_masked(mask)
-    # SDPA takes a float mask only in the query's dtype; fsattn() takes any float mask. It is handed
-    # the stored values, which it broadcasts itself: its boolean-to-float conversion and the cast
-    # would each make a full-size copy of a broadcast view.
-    sdpa_mask = None if mask is None else _stored_values(mask)
-    if sdpa_mask is not None and sdpa_mask.dtype not in (torch.bool, q.dtype):
-        sdpa_mask = sdpa_mask.to(q.dtype)
+    # SDPA and the checks below get the mask's stored values, broadcast where they are used: SDPA's
+    # boolean-to-float conversion, the cast and a comparison would each make a full-size copy of a
+    # broadcast view. SDPA takes a float mask only in the query's dtype; fsattn() takes any.
+    stored = None if mask is None else _stored_values(mask)
+    sdpa_mask = stored if stored is None or stored.dtype in (torch.bool, q.dtype) else stored.to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=scale)
     # SDPA's CPU kernel gives a NaN query row a finite output (its NaN keys and V it keeps): the
     # row is made NaN here, as on fsattn's kernels.
     out = out + (0.0 * torch.sum(q, -1, keepdim=True, dtype=torch.float32)).to(out.dtype)
-    if mask is not None:
-        # Zeros where every key is masked (SDPA: NaN); a NaN the inputs put elsewhere stays. Read on
-        # the stored values: a comparison on a broadcast mask would make a full-size copy of it.
-        stored = _stored_values(mask)
+    if stored is not None:
+        # Zeros where every key is masked (SDPA: NaN); a NaN the inputs put elsewhere stays.
         attended = stored if stored.dtype == torch.bool else stored > float("-inf")
         out = out.masked_fill(~attended.any(-1, keepdim=True), 0.0)
     out = (out if layout == "HND" else out.transpose(1, 2)).contiguous()
