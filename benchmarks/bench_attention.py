@@ -3,7 +3,12 @@
     python benchmarks/bench_attention.py --shapes wan13b_480p wan14b_720p --out benchmarks/results/x.json
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random bf16 inputs; fsattn's
-quantisation pre-pass is inside its time. Effective TFLOP/s = 4*B*H*Sq*Sk*D / time. Accuracy is
+quantisation pre-pass is inside its time. Each row also keeps the mean and the number of timed calls.
+The window is long by default (1 s of untimed calls, then 3 s timed): at the large shapes the card
+runs at its power limit, whose control swings the clock over a cycle of about a second (on an H100
+at Wan2.1-14B, calls of 113-116 ms with a dip to 130-136 ms every eight or so), and a short window
+times one phase of it. ``--warmup-ms 25 --rep-ms 300`` is the short window of the figures in
+``benchmarks/NOTES.md`` before v51: at Wan2.1-14B it timed two calls, which fell in the first dip. Effective TFLOP/s = 4*B*H*Sq*Sk*D / time. Accuracy is
 measured on a random sample of query rows of two heads against the float64 reference. With
 ``--kernel-times`` each fsattn row also lists the GPU time of each kernel of a call (torch.profiler
 over a few calls): where the call's time goes (pre-passes, the key sort, the forward kernel). The
@@ -254,6 +259,15 @@ def kernel_times(fn, calls=5):
     return per_kernel_us(events, calls), gpu_span(events, calls)
 
 
+def timed(fn, warmup_ms, rep_ms):
+    """``do_bench``'s per-call times of `fn` (ms) as the row's fields: the median as ``ms``, the mean
+    and the number of timed calls beside it."""
+    import triton.testing
+
+    times = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    return {"ms": statistics.median(times), "ms_mean": statistics.fmean(times), "timed_calls": len(times)}
+
+
 def make_inputs(shape, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(shape.batch, s, shape.heads, shape.head_dim, device="cuda", dtype=torch.bfloat16,
@@ -306,14 +320,15 @@ def main():
                         help=f"fsattn variants: names from {list(VARIANTS)} or 'label:key=value,...'")
     parser.add_argument("--baselines", nargs="*", default=["default", "flash", "cudnn", "sage"])
     parser.add_argument("--no-accuracy", action="store_true")
-    parser.add_argument("--rep-ms", type=float, default=300.0)
+    parser.add_argument("--warmup-ms", type=float, default=1000.0,
+                        help="untimed calls before each row's timing, in ms (the card's power limit settles)")
+    parser.add_argument("--rep-ms", type=float, default=3000.0,
+                        help="each row's timed window, in ms (several of the power limit's cycles)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernel-times", action="store_true",
                         help="also the GPU time of each kernel of an fsattn call, from torch.profiler")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
-
-    import triton.testing
 
     env = environment()
     print(json.dumps(env))
@@ -331,6 +346,7 @@ def main():
         clk_text = (f"{clk['sm_mhz']:.0f} MHz {clk['power_w']:.0f} W "
                     + " ".join(f"{name} {share:.0%}" for name, share in clk["reasons"].items())) if clk else ""
         print(f"{row['shape']:16s} {row['method']:28s} {row.get('ms', float('nan')):9.3f} ms "
+              f"(mean {row.get('ms_mean', float('nan')):.3f}, {row.get('timed_calls', 0)} calls) "
               f"{row.get('tflops', float('nan')):7.1f} TFLOP/s x{row.get('speedup', float('nan')):5.2f} "
               f"cos {acc.get('cos', float('nan')):.6f} l1 {acc.get('rel_l1', float('nan')):.4f} "
               f"fb {row.get('fallback_share', '')} {clk_text} {row.get('error', '')}", flush=True)
@@ -346,13 +362,14 @@ def main():
             try:
                 fn = sage_fn(q, k, v, mask) if backend == "sage" else sdpa_fn(q, k, v, mask, backend)
                 with ClockSampler() as clocks:
-                    ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
+                    times = timed(fn, args.warmup_ms, args.rep_ms)
             except Exception as exc:  # a backend that cannot take the shape (or is absent)
                 record({"shape": name, "method": method, "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
+            ms = times["ms"]
             if backend == "default":
                 base_ms = ms
-            record({"shape": name, "method": method, "ms": ms, "tflops": shape.flops / ms / 1e9,
+            record({"shape": name, "method": method, **times, "tflops": shape.flops / ms / 1e9,
                     "speedup": (base_ms / ms) if base_ms else float("nan"), "clocks": clocks.summary})
             torch.cuda.empty_cache()
         for spec in args.variants:
@@ -365,11 +382,12 @@ def main():
                 s = stats()
                 share = f"{s['fallback_q_tiles']}/{s['q_tiles']}" if s["q_tiles"] else ""
                 with ClockSampler() as clocks:
-                    ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
+                    times = timed(fn, args.warmup_ms, args.rep_ms)
             except Exception as exc:
                 record({"shape": name, "method": f"fsattn[{label}]", "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
-            record({"shape": name, "method": f"fsattn[{label}]", "config": fields, "ms": ms,
+            ms = times["ms"]
+            record({"shape": name, "method": f"fsattn[{label}]", "config": fields, **times,
                     "tflops": shape.flops / ms / 1e9, "speedup": (base_ms / ms) if base_ms else float("nan"),
                     "accuracy": acc, "fallback_share": share, "clocks": clocks.summary})
         del q, k, v, mask

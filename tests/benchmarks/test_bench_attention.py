@@ -46,6 +46,20 @@ def test_gpu_span_counts_overlaps_once_and_gaps_as_idle():
     assert bench_attention.gpu_span([_timed(5.0, 5.0)], calls=1) is None  # no length: no share
 
 
+def test_a_rows_timing_is_the_median_with_the_mean_and_count_of_the_calls_do_bench_timed(monkeypatch):
+    import triton.testing
+
+    asked = {}
+
+    def do_bench(fn, warmup, rep, return_mode):
+        asked.update(warmup=warmup, rep=rep, return_mode=return_mode)
+        return [113.0, 130.0, 115.0, 136.0, 116.0]  # a sustained loop with two power-limit dips
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    row = bench_attention.timed(lambda: None, warmup_ms=1000.0, rep_ms=3000.0)
+    assert row == {"ms": 116.0, "ms_mean": 122.0, "timed_calls": 5}
+    assert asked == {"warmup": 1000.0, "rep": 3000.0, "return_mode": "all"}
+
 def test_clock_samples_give_medians_and_each_reasons_share_and_skip_unreadable_lines():
     lines = ["1515, 637.2, 0x0000000000000004\n", "[N/A], [N/A], [N/A]\n", "\n",
              "1980, 100.0, 0x0000000000000001\n", "1600, 640, 0x0\n", "1510, 650, 0x0000000000000024\n"]
