@@ -6,17 +6,17 @@ Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random b
 quantisation pre-pass is inside its time. Each row also keeps the mean and the number of timed calls.
 The window is long by default (1 s of untimed calls, then 3 s timed): at the large shapes the card
 runs at its power limit, whose control swings the clock over a cycle of about a second (on an H100
-at Wan2.1-14B, calls of 113-116 ms with a dip to 130-136 ms every eight or so), and a short window
+at Wan2.1-14B, calls of 113-119 ms with a dip to 124-136 ms every eight or so), and a short window
 times one phase of it. ``--warmup-ms 25 --rep-ms 300`` is the short window of the figures in
-``benchmarks/NOTES.md`` before v51: at Wan2.1-14B it timed two calls, which fell in the first dip. Effective TFLOP/s = 4*B*H*Sq*Sk*D / time. Accuracy is
+``benchmarks/NOTES.md`` before v51: at Wan2.1-14B it timed only the eighth and ninth calls, where
+that H100's first dip fell. Effective TFLOP/s = 4*B*H*Sq*Sk*D / time. Accuracy is
 measured on a random sample of query rows of two heads against the float64 reference. With
 ``--kernel-times`` each fsattn row also lists the GPU time of each kernel of a call (torch.profiler
 over a few calls): where the call's time goes (pre-passes, the key sort, the forward kernel). The
 profiling runs after every timing, on fresh inputs of the same seed, so that no timing follows it;
-its few calls are a short burst, whose kernels have summed to less than the timed row on a
-power-capped card (by up to 13 % at Wan2.1-14B on an H100, at the same sampled SM clock:
-``kernel_clocks`` beside ``clocks``): the kernels' shares compare, their sum and the row's time
-need not. ``kernel_span`` says whether the GPU waited inside those calls: their span per call,
+its few calls are a short burst after an idle moment, in another phase of the power limit's cycle
+than the row's window (``kernel_clocks`` beside ``clocks``): the kernels' shares compare, their sum
+and the row's time need not. ``kernel_span`` says whether the GPU waited inside those calls: their span per call,
 first kernel to last, and the share of it that some kernel ran.
 Each timed row also carries the GPU's SM clock, board power and clock-event reasons sampled by
 ``nvidia-smi`` while it was timed: the 8-bit kernels are bound by the card's power limit at the large
