@@ -16,8 +16,8 @@ over a few calls): where the call's time goes (pre-passes, the key sort, the for
 profiling runs after every timing, on fresh inputs of the same seed, so that no timing follows it;
 its few calls are a short burst after an idle moment, in another phase of the power limit's cycle
 than the row's window (``kernel_clocks`` beside ``clocks``): the kernels' shares compare, their sum
-and the row's time need not. ``kernel_span`` says whether the GPU waited inside those calls: their span per call,
-first kernel to last, and the share of it that some kernel ran.
+and the row's time need not. ``kernel_span`` says whether the GPU waited inside those calls: their
+span per call, first kernel to last, and the share of it that some kernel ran.
 Each timed row also carries the GPU's SM clock, board power and clock-event reasons sampled by
 ``nvidia-smi`` while it was timed: the 8-bit kernels are bound by the card's power limit at the large
 shapes, so the same code runs at different clocks on cards of the same name, and a time is only

@@ -60,6 +60,7 @@ def test_a_rows_timing_is_the_median_with_the_mean_and_count_of_the_calls_do_ben
     assert row == {"ms": 116.0, "ms_mean": 122.0, "timed_calls": 5}
     assert asked == {"warmup": 1000.0, "rep": 3000.0, "return_mode": "all"}
 
+
 def test_clock_samples_give_medians_and_each_reasons_share_and_skip_unreadable_lines():
     lines = ["1515, 637.2, 0x0000000000000004\n", "[N/A], [N/A], [N/A]\n", "\n",
              "1980, 100.0, 0x0000000000000001\n", "1600, 640, 0x0\n", "1510, 650, 0x0000000000000024\n"]
