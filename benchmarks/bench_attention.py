@@ -407,8 +407,10 @@ def main():
             except Exception as exc:  # the row's timing stands; say why its split is missing
                 row["kernel_us_error"] = f"{type(exc).__name__}: {exc}"[:300]
             span = row.get("kernel_span") or {}
+            span_text = (f"(span {span['span_us_per_call'] / 1e3:.1f} ms a call, busy {span['busy_share']:.1%})"
+                         if span else "")
             print(f"{name:16s} {row['method']:28s} GPU time per call by kernel:", row.get("kernel_us_error", ""),
-                  f"(span {span['span_us_per_call'] / 1e3:.1f} ms a call, busy {span['busy_share']:.1%})" if span else "")
+                  span_text)
             for kernel, us in (row.get("kernel_us") or {}).items():
                 print(f"{'':16s}   {us:10.1f} us  {kernel[:100]}", flush=True)
             save()
