@@ -268,6 +268,17 @@ def timed(fn, warmup_ms, rep_ms):
     return {"ms": statistics.median(times), "ms_mean": statistics.fmean(times), "timed_calls": len(times)}
 
 
+def timed_with_clocks(fn, warmup_ms, rep_ms):
+    """:func:`timed` of `fn` and the clock summary of its window. One call runs first, outside the
+    samples: a first call may compile for seconds with the GPU idle, which would read as an idle
+    card's clock and power (``--no-accuracy`` leaves the compile to the timing's first call)."""
+    fn()
+    torch.cuda.synchronize()
+    with ClockSampler() as clocks:
+        times = timed(fn, warmup_ms, rep_ms)
+    return times, clocks.summary
+
+
 def make_inputs(shape, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(shape.batch, s, shape.heads, shape.head_dim, device="cuda", dtype=torch.bfloat16,
@@ -361,8 +372,7 @@ def main():
             method = f"sdpa_{backend}" if backend != "sage" else "sageattention"
             try:
                 fn = sage_fn(q, k, v, mask) if backend == "sage" else sdpa_fn(q, k, v, mask, backend)
-                with ClockSampler() as clocks:
-                    times = timed(fn, args.warmup_ms, args.rep_ms)
+                times, clocks = timed_with_clocks(fn, args.warmup_ms, args.rep_ms)
             except Exception as exc:  # a backend that cannot take the shape (or is absent)
                 record({"shape": name, "method": method, "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
@@ -370,7 +380,7 @@ def main():
             if backend == "default":
                 base_ms = ms
             record({"shape": name, "method": method, **times, "tflops": shape.flops / ms / 1e9,
-                    "speedup": (base_ms / ms) if base_ms else float("nan"), "clocks": clocks.summary})
+                    "speedup": (base_ms / ms) if base_ms else float("nan"), "clocks": clocks})
             torch.cuda.empty_cache()
         for spec in args.variants:
             label, fields = parse_variant(spec)
@@ -381,15 +391,14 @@ def main():
                 acc = None if args.no_accuracy else accuracy(fn, q, k, v, mask, args.seed)
                 s = stats()
                 share = f"{s['fallback_q_tiles']}/{s['q_tiles']}" if s["q_tiles"] else ""
-                with ClockSampler() as clocks:
-                    times = timed(fn, args.warmup_ms, args.rep_ms)
+                times, clocks = timed_with_clocks(fn, args.warmup_ms, args.rep_ms)
             except Exception as exc:
                 record({"shape": name, "method": f"fsattn[{label}]", "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
             ms = times["ms"]
             record({"shape": name, "method": f"fsattn[{label}]", "config": fields, **times,
                     "tflops": shape.flops / ms / 1e9, "speedup": (base_ms / ms) if base_ms else float("nan"),
-                    "accuracy": acc, "fallback_share": share, "clocks": clocks.summary})
+                    "accuracy": acc, "fallback_share": share, "clocks": clocks})
         del q, k, v, mask
         torch.cuda.empty_cache()
 

@@ -61,6 +61,34 @@ def test_a_rows_timing_is_the_median_with_the_mean_and_count_of_the_calls_do_ben
     assert asked == {"warmup": 1000.0, "rep": 3000.0, "return_mode": "all"}
 
 
+def test_a_rows_clocks_are_sampled_after_a_first_untimed_call_has_finished(monkeypatch):
+    # A first call may compile for seconds with the GPU idle: it must finish before the samples start.
+    events = []
+
+    class Sampler:
+        summary = None
+
+        def __enter__(self):
+            events.append("samples start")
+            return self
+
+        def __exit__(self, *exc):
+            events.append("samples end")
+            self.summary = {"sm_mhz": 1515.0}
+            return False
+
+    def timed(fn, warmup_ms, rep_ms):
+        events.append(("timed", warmup_ms, rep_ms))
+        return {"ms": 1.0}
+
+    monkeypatch.setattr(bench_attention, "ClockSampler", Sampler)
+    monkeypatch.setattr(bench_attention, "timed", timed)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("synchronize"))
+    times, clocks = bench_attention.timed_with_clocks(lambda: events.append("call"), 1000.0, 3000.0)
+    assert events == ["call", "synchronize", "samples start", ("timed", 1000.0, 3000.0), "samples end"]
+    assert times == {"ms": 1.0} and clocks == {"sm_mhz": 1515.0}
+
+
 def test_clock_samples_give_medians_and_each_reasons_share_and_skip_unreadable_lines():
     lines = ["1515, 637.2, 0x0000000000000004\n", "[N/A], [N/A], [N/A]\n", "\n",
              "1980, 100.0, 0x0000000000000001\n", "1600, 640, 0x0\n", "1510, 650, 0x0000000000000024\n"]
